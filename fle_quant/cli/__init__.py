@@ -1,0 +1,1 @@
+"""Console scripts of fle_quant (declared in pyproject.toml)."""

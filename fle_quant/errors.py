@@ -1,0 +1,12 @@
+"""The one error class FLE raises for bad user input.
+
+Every problem a user can fix (a truncated file, a missing shard, an unknown
+quant type, an output that already exists) is reported as a :class:`FleError`
+whose message names the file, tensor or field and says what to do. Console
+scripts catch it, print one line and exit with status 2; anything else that
+escapes is a bug in FLE.
+"""
+
+
+class FleError(Exception):
+    """A problem with the user's input, explained in one line."""

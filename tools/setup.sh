@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up FLE in ./.venv on a fresh machine (idempotent; a second run is quick).
+#   tools/setup.sh              the package, its console scripts and the test tools
+#   tools/setup.sh --reference  also llama-cpp-python 0.3.36, the neutral reference
+#                               the reference tests compare against; it compiles from
+#                               source once (~7 min on 2 cores) and the wheel is kept in
+#                               $FLE_WHEEL_CACHE (default ~/.cache/fle/wheels)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+LLAMA_VERSION=0.3.36
+WHEELS=${FLE_WHEEL_CACHE:-$HOME/.cache/fle/wheels}
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=".venv/bin/python -m pip"
+
+# torch first, pinned: an unpinned requirement would pull a multi-GB CUDA build
+# where the CPU build of this version is what the machine has.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    $PIP install -q "torch==${FLE_TORCH_VERSION:-2.13.0}"
+fi
+$PIP install -q -e ".[engine,test]"
+
+if [ "${1:-}" = "--reference" ]; then
+    if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+        wheel=$(ls "$WHEELS"/llama_cpp_python-${LLAMA_VERSION}-*.whl 2>/dev/null | head -n 1 || true)
+        if [ -z "$wheel" ]; then
+            echo "compiling llama-cpp-python ${LLAMA_VERSION} once (about 7 minutes on 2 cores) into $WHEELS" >&2
+            mkdir -p "$WHEELS"
+            CMAKE_ARGS="-DGGML_NATIVE=OFF" $PIP wheel -q --no-deps --no-binary llama-cpp-python \
+                -w "$WHEELS" "llama-cpp-python==${LLAMA_VERSION}"
+            wheel=$(ls "$WHEELS"/llama_cpp_python-${LLAMA_VERSION}-*.whl | head -n 1)
+        fi
+        $PIP install -q "$wheel"
+    fi
+fi
