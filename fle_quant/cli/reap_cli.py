@@ -1,0 +1,125 @@
+"""``fle-reap``: expert pruning of MoE models.
+
+Subcommands:
+
+- ``prune``: remove the lowest-scored experts of every MoE layer, given a
+  score table (format ``fle.scores/1``, see :mod:`fle_quant.prune`).
+
+Measuring the scores (a ``score`` subcommand) is not part of this version;
+new subcommands register in ``_COMMANDS``.
+"""
+from __future__ import annotations
+
+import argparse
+
+from ..errors import FleError
+from ..prune import prune
+from ..units import format_size, parse_size
+from .common import cli_entry, exit_main
+
+_PRUNE_EPILOG = """\
+The score table (format fle.scores/1) holds, per MoE layer, one score per
+expert, higher = more important; an MTP block inside the model is scored under
+its block index. Every MoE layer keeps the same number of experts (the file has
+one expert_count); on equal scores the lower expert index is kept. Expert
+slices, router rows and exp_probs_b entries of the kept experts are copied
+byte for byte in their original order; every other tensor and all metadata are
+copied unchanged, except expert_count and the fle.reap.* provenance keys
+(fle.reap.kept.N lists the kept experts' original indices of layer N).
+
+examples:
+  fle-reap prune model.gguf --scores scores.json --keep 448 -o model-reap448.gguf
+  fle-reap prune trunk.gguf --scores scores.json --keep 448 -o out.gguf \\
+      --mtp-head trunk-mtp.gguf --mtp-out out-mtp.gguf
+      also prunes a separate MTP-head file (its block's scores from the same
+      table, or from --mtp-scores)
+
+Exit status 2 with a one-line message for bad input; outputs are written under
+temporary names and renamed only when complete.
+"""
+
+
+def _add_prune(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser(
+        "prune",
+        help="remove the lowest-scored experts of every MoE layer",
+        description="Remove the lowest-scored routed experts of every MoE layer, keeping --keep\n"
+                    "experts per layer, and write the pruned model.",
+        epilog=_PRUNE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL.gguf", help="the model (any shard of a split model)")
+    p.add_argument("--scores", required=True, metavar="SCORES.json",
+                   help="expert score table (format fle.scores/1)")
+    p.add_argument("--keep", required=True, type=int, metavar="K",
+                   help="experts to keep per layer: at least expert_used_count, below expert_count")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.gguf",
+                   help="where to write the pruned model (shards OUT-0000k-of-0000N.gguf when split)")
+    p.add_argument("--mtp-head", metavar="MTP.gguf",
+                   help="a separate MTP-head file to prune to the same expert count")
+    p.add_argument("--mtp-out", metavar="OUT-mtp.gguf", help="where to write the pruned MTP head")
+    p.add_argument("--mtp-scores", metavar="SCORES.json",
+                   help="the MTP head's own score table (default: its block in --scores)")
+    p.add_argument("--split-max-size", metavar="SIZE",
+                   help="split the output into shards of at most SIZE of tensor data (e.g. 48G)")
+    p.add_argument("--split-max-tensors", type=int, metavar="N", help="split the output every N tensors")
+    p.add_argument("--force", action="store_true", help="replace outputs that exist")
+    p.set_defaults(run=_run_prune)
+
+
+def _run_prune(args: argparse.Namespace) -> int:
+    if args.split_max_tensors is not None and args.split_max_tensors <= 0:
+        raise FleError(f"--split-max-tensors must be positive, got {args.split_max_tensors}")
+    split = parse_size(args.split_max_size, "--split-max-size") if args.split_max_size is not None else None
+    result = prune(args.model, args.scores, args.keep, args.output, mtp_head=args.mtp_head, mtp_out=args.mtp_out,
+                   mtp_scores=args.mtp_scores, split_max_size=split, split_max_tensors=args.split_max_tensors,
+                   force=args.force)
+    parts = [(result.trunk, result.trunk_written)]
+    if result.head is not None:
+        parts.append((result.head, result.head_written))
+    for pp, written in parts:
+        print(f"{pp.path}: {pp.n_expert} -> {pp.keep} experts in {len(pp.layers)} MoE layers")
+        for lp in pp.layers.values():
+            s = lp.scores
+            removed = s[lp.removed]
+            line = (f"  layer {lp.layer:>3}: removed {len(lp.removed):>4}  highest removed score "
+                    f"{removed.max():.6g}  lowest kept {s[lp.kept].min():.6g}")
+            if s.min() >= 0 and s.sum() > 0:  # a share only means something for non-negative scores
+                line += f"  removed share of the score {removed.sum() / s.sum():.3%}"
+            print(line)
+        for p in written.paths:
+            print(f"wrote {p} ({format_size(p.stat().st_size)})")
+    return 0
+
+
+# name -> adds its parser (which sets ``run``)
+_COMMANDS = {
+    "prune": _add_prune,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fle-reap",
+        description="Expert pruning for MoE models: remove the least important routed experts of\n"
+                    "every layer, given per-expert scores.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for add in _COMMANDS.values():
+        add(sub)
+    return p
+
+
+@cli_entry("fle-reap")
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    exit_main(main)
