@@ -1,0 +1,263 @@
+"""qwen3next (Qwen3-Next-80B-A3B): gated delta net (GDN) layers with a gated
+full-attention layer every ``full_attention_interval``-th layer, RMSNorm
+before the mixer and after the first residual (``post_attention_norm``),
+and in every layer a routed MoE plus a shared expert behind a one-scalar
+sigmoid gate.
+
+Semantics from llama.cpp's ``src/models/qwen3next.cpp`` and
+``src/models/delta-net-base.cpp``:
+
+- GDN input: fused ``attn_qkv`` (q | k | v) and ``attn_gate`` (z), or the
+  legacy ``ssm_in`` laid out per K head as [q, k, v (r heads), z (r heads)]
+  with r = V heads / K heads; ``ssm_ba`` per K head as [beta (r), alpha (r)].
+- beta = sigmoid(b); g = softplus(alpha + dt_bias) * ssm_a, where the
+  converter stores ssm_a = -exp(A_log).
+- depthwise causal conv (``ssm_conv1d`` ggml [K, C], tap K-1 on the current
+  token) then silu; q, k L2-normalised with eps = the RMS eps; V head j
+  reads K head j // r (grouped, not tiled).
+- output RMSNorm(o) * ssm_norm * silu(z), then ``ssm_out``.
+- attention: ``attn_q`` gives per head Dh query then Dh gate values; q/k
+  RMSNorm; NEOX rotary on the first ``rope.dimension_count`` dims; output
+  times sigmoid(gate) before ``attn_output``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fle_quant.errors import FleError
+
+from .. import layers as L
+from ..loader import Weights
+from .qwen3moe import advance, load_moe, load_qkv, new_state, param, rope_freq_scale
+
+ARCH = "qwen3next"
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    arch: str
+    n_vocab: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_base: float
+    rope_freq_scale: float
+    attn_scale: float
+    eps: float
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff_shexp: int
+    expert_weights_scale: float
+    conv_kernel: int
+    d_state: int       # GDN head width (keys and values)
+    n_k_heads: int
+    n_v_heads: int
+    recurrent: tuple[bool, ...]
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.d_state * self.n_k_heads + self.d_state * self.n_v_heads
+
+    @classmethod
+    def from_weights(cls, w: Weights) -> "ModelArgs":
+        n_embd = int(w.hp("embedding_length"))
+        n_head = int(w.hp("attention.head_count"))
+        head_dim = int(w.hp("attention.key_length", n_embd // n_head))
+        if int(w.hp("attention.value_length", head_dim)) != head_dim:
+            raise FleError(f"{w.path}: {ARCH} needs attention.value_length == attention.key_length")
+        n_layer = int(w.hp("block_count"))
+        # a file carrying the MTP block counts it in block_count; the trunk stops before it
+        n_layer -= int(w.hp("nextn_predict_layers", 0))
+        interval = int(w.hp("full_attention_interval", 4))
+        recurrent = w.hp("attention.recurrent_layers", None)
+        if recurrent is None:
+            recurrent = [(il + 1) % interval != 0 for il in range(n_layer)]
+        d_state = int(w.hp("ssm.state_size"))
+        n_v = int(w.hp("ssm.time_step_rank"))
+        n_k = int(w.hp("ssm.group_count"))
+        if int(w.hp("ssm.inner_size")) != d_state * n_v:
+            raise FleError(f"{w.path}: ssm.inner_size must be ssm.state_size * ssm.time_step_rank")
+        if n_v % n_k:
+            raise FleError(f"{w.path}: ssm.time_step_rank ({n_v} V heads) must be a multiple of "
+                           f"ssm.group_count ({n_k} K heads)")
+        n_rot = int(w.hp("rope.dimension_count", head_dim))
+        if n_rot % 2 or n_rot > head_dim:
+            raise FleError(f"{w.path}: rope.dimension_count = {n_rot} must be even and at most {head_dim}")
+        n_ff_exp = int(w.hp("expert_feed_forward_length"))
+        scale = float(w.hp("attention.scale", 0.0))
+        return cls(
+            arch=ARCH,
+            n_vocab=w.gguf.info("token_embd.weight").shape[1],
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=int(w.hp("attention.head_count_kv", n_head)),
+            head_dim=head_dim,
+            n_rot=n_rot,
+            rope_base=float(w.hp("rope.freq_base", 10000.0)),
+            rope_freq_scale=rope_freq_scale(w),
+            attn_scale=scale if scale != 0.0 else head_dim ** -0.5,
+            eps=float(w.hp("attention.layer_norm_rms_epsilon")),
+            n_expert=int(w.hp("expert_count")),
+            n_expert_used=int(w.hp("expert_used_count")),
+            n_ff_exp=n_ff_exp,
+            n_ff_shexp=int(w.hp("expert_shared_feed_forward_length", 0)) or n_ff_exp,
+            expert_weights_scale=float(w.hp("expert_weights_scale", 0.0)),
+            conv_kernel=int(w.hp("ssm.conv_kernel")),
+            d_state=d_state,
+            n_k_heads=n_k,
+            n_v_heads=n_v,
+            recurrent=tuple(bool(r) for r in recurrent[:n_layer]),
+        )
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, w: Weights, il: int, a: ModelArgs):
+        super().__init__()
+        p = f"blk.{il}."
+        hd = a.head_dim
+        wq, wk, wv = load_qkv(w, p, 2 * a.n_head * hd, a.n_head_kv * hd, a.n_embd)
+        self.wq, self.wk, self.wv = param(wq), param(wk), param(wv)
+        self.wo = param(w.get(p + "attn_output.weight", (a.n_embd, a.n_head * hd)))
+        self.q_norm = param(w.get(p + "attn_q_norm.weight", (hd,)))
+        self.k_norm = param(w.get(p + "attn_k_norm.weight", (hd,)))
+        self.a = a
+
+    def forward(self, x: Tensor, cache: L.AttnCache, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        a = self.a
+        n_tok, hd = x.shape[0], a.head_dim
+        qg = F.linear(x, self.wq).view(n_tok, a.n_head, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:]
+        k = F.linear(x, self.wk).view(n_tok, a.n_head_kv, hd)
+        v = F.linear(x, self.wv).view(n_tok, a.n_head_kv, hd)
+        q = L.apply_rope_neox(L.rms_norm(q, self.q_norm, a.eps), cos, sin)
+        k = L.apply_rope_neox(L.rms_norm(k, self.k_norm, a.eps), cos, sin)
+        out = L.attention(q, k, v, cache, positions, a.attn_scale)
+        out = out * torch.sigmoid(gate.reshape(n_tok, a.n_head * hd))
+        return F.linear(out, self.wo)
+
+
+class GatedDeltaNet(nn.Module):
+    """One GDN mixer. Chunked delta rule when a call brings more than one
+    token, the recurrent form for a single token (decode)."""
+
+    def __init__(self, w: Weights, il: int, a: ModelArgs):
+        super().__init__()
+        p = f"blk.{il}."
+        dk, nk, nv = a.d_state, a.n_k_heads, a.n_v_heads
+        key_dim, value_dim, r = dk * nk, dk * nv, nv // nk
+        if w.has(p + "attn_qkv.weight"):
+            wqkv = w.get(p + "attn_qkv.weight", (a.conv_dim, a.n_embd))
+            wz = w.get(p + "attn_gate.weight", (value_dim, a.n_embd))
+        elif w.has(p + "ssm_in.weight"):
+            # legacy layout: per K head [q (dk), k (dk), v (r dk), z (r dk)]
+            fused = w.get(p + "ssm_in.weight", (2 * key_dim + 2 * value_dim, a.n_embd))
+            per = fused.view(nk, 2 * dk + 2 * r * dk, a.n_embd)
+            q, k = per[:, :dk], per[:, dk:2 * dk]
+            v, z = per[:, 2 * dk:2 * dk + r * dk], per[:, 2 * dk + r * dk:]
+            wqkv = torch.cat([q.reshape(key_dim, -1), k.reshape(key_dim, -1), v.reshape(value_dim, -1)], 0)
+            wz = z.reshape(value_dim, -1).contiguous()
+            del fused, per
+        else:
+            raise FleError(f"{w.path}: GDN layer {il} has neither attn_qkv.weight nor ssm_in.weight")
+        self.wqkv, self.wz = param(wqkv), param(wz)
+        # per K head [beta (r), alpha (r)] -> all betas, then all alphas, in V-head order
+        ba = w.get(p + "ssm_ba.weight", (2 * nv, a.n_embd)).view(nk, 2 * r, a.n_embd)
+        self.wb = param(ba[:, :r].reshape(nv, a.n_embd).contiguous())
+        self.wa = param(ba[:, r:].reshape(nv, a.n_embd).contiguous())
+        self.conv = param(w.get(p + "ssm_conv1d.weight", (a.conv_dim, a.conv_kernel)))
+        self.dt_bias = param(w.get(p + "ssm_dt.bias", (nv,)))
+        self.ssm_a = param(w.get(p + "ssm_a", (nv,)))
+        self.norm = param(w.get(p + "ssm_norm.weight", (dk,)))
+        self.wout = param(w.get(p + "ssm_out.weight", (a.n_embd, value_dim)))
+        self.a = a
+
+    def forward(self, x: Tensor, state: L.GDNState) -> Tensor:
+        a = self.a
+        n_tok, dk, nk, nv = x.shape[0], a.d_state, a.n_k_heads, a.n_v_heads
+        qkv = F.linear(x, self.wqkv)                                   # [T, C]
+        z = F.linear(x, self.wz).view(n_tok, nv, dk)
+        beta = torch.sigmoid(F.linear(x, self.wb))                      # [T, Hv]
+        g = F.softplus(F.linear(x, self.wa) + self.dt_bias) * self.ssm_a
+        conv, new_conv = L.causal_conv1d(qkv, state.conv, self.conv)
+        state.conv.copy_(new_conv)
+        conv = F.silu(conv)
+        q = conv[:, :dk * nk].view(n_tok, nk, dk)
+        k = conv[:, dk * nk:2 * dk * nk].view(n_tok, nk, dk)
+        v = conv[:, 2 * dk * nk:].view(n_tok, nv, dk)
+        # V head j reads K head j // r (expand, not repeat_interleave, which may sync on CUDA)
+        q = L.l2_norm(q, a.eps)[:, :, None].expand(n_tok, nk, nv // nk, dk).reshape(n_tok, nv, dk)
+        k = L.l2_norm(k, a.eps)[:, :, None].expand(n_tok, nk, nv // nk, dk).reshape(n_tok, nv, dk)
+        rule = L.gdn_recurrent if n_tok == 1 else L.gdn_chunked
+        o, s = rule(q, k, v, g, beta, state.ssm)
+        state.ssm.copy_(s)
+        o = L.rms_norm(o.to(x.dtype), self.norm, a.eps) * F.silu(z)
+        return F.linear(o.reshape(n_tok, nv * dk), self.wout)
+
+
+class Block(nn.Module):
+    def __init__(self, w: Weights, il: int, a: ModelArgs):
+        super().__init__()
+        p = f"blk.{il}."
+        self.recurrent = a.recurrent[il]
+        self.attn_norm = param(w.get(p + "attn_norm.weight", (a.n_embd,)))
+        self.post_norm = param(w.get(p + "post_attention_norm.weight", (a.n_embd,)))
+        self.mixer = GatedDeltaNet(w, il, a) if self.recurrent else GatedAttention(w, il, a)
+        self.moe = load_moe(w, il, a.n_embd, a.n_expert, a.n_expert_used, a.n_ff_exp, a.expert_weights_scale,
+                            shared=w.has(p + "ffn_up_shexp.weight"), n_ff_shexp=a.n_ff_shexp)
+        self.eps = a.eps
+
+    def forward(self, x: Tensor, cache, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = L.rms_norm(x, self.attn_norm, self.eps)
+        if self.recurrent:
+            x = x + self.mixer(h, cache)
+        else:
+            x = x + self.mixer(h, cache, positions, cos, sin)
+        return x + self.moe(L.rms_norm(x, self.post_norm, self.eps))
+
+
+class Transformer(nn.Module):
+    def __init__(self, w: Weights, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.tok_embd = param(w.get("token_embd.weight", (a.n_vocab, a.n_embd)))
+        self.layers = nn.ModuleList(Block(w, il, a) for il in range(a.n_layer))
+        self.output_norm = param(w.get("output_norm.weight", (a.n_embd,)))
+        head = "output.weight" if w.has("output.weight") else "token_embd.weight"
+        self.output = param(w.get(head, (a.n_vocab, a.n_embd)))
+
+    @classmethod
+    def from_weights(cls, w: Weights) -> "Transformer":
+        return cls(w, ModelArgs.from_weights(w))
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embd.device
+
+    def new_state(self, max_tokens: int) -> L.State:
+        a, dev, dt = self.args, self.device, self.tok_embd.dtype
+        caches = []
+        for rec in a.recurrent:
+            if rec:
+                caches.append(L.GDNState(
+                    torch.zeros(a.conv_kernel - 1, a.conv_dim, dtype=dt, device=dev),
+                    torch.zeros(a.n_v_heads, a.d_state, a.d_state, dtype=torch.float32, device=dev)))
+            else:
+                caches.append(L.AttnCache(torch.zeros(a.n_head_kv, max_tokens, a.head_dim, dtype=dt, device=dev),
+                                          torch.zeros(a.n_head_kv, max_tokens, a.head_dim, dtype=dt, device=dev)))
+        return new_state(max_tokens, caches, a.n_rot, a.rope_base, a.rope_freq_scale, dev)
+
+    def forward(self, tokens: Tensor, state: L.State) -> Tensor:
+        positions, cos, sin = advance(state, tokens.shape[0])
+        x = F.embedding(tokens, self.tok_embd)
+        for layer, cache in zip(self.layers, state.layers):
+            x = layer(x, cache, positions, cos, sin)
+        return F.linear(L.rms_norm(x, self.output_norm, self.args.eps), self.output)
