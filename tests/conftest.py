@@ -1,14 +1,15 @@
 """Shared test fixtures.
 
 ``llama_src`` is the unpacked llama-cpp-python 0.3.36 sdist: its vendored
-llama.cpp holds real vocabularies with expected tokenizations and real chat
-templates. Found through $FLE_LLAMA_SRC, else a cache under ~/.cache/fle;
+llama.cpp holds real vocabularies with expected tokenizations, real chat
+templates, and the converter from Hugging Face checkpoints to GGUF. Found through $FLE_LLAMA_SRC, else a cache under ~/.cache/fle;
 downloaded (sdist only, ~75 MB) into that cache when missing; tests that need
 it skip with the reason when none of this works.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -19,7 +20,6 @@ import pytest
 
 LLAMA_CPP_PYTHON = "0.3.36"
 _CACHE = Path(os.environ.get("FLE_CACHE_DIR", Path.home() / ".cache" / "fle")) / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
-_WANTED = ("vendor/llama.cpp/models/",)
 
 
 def _llama_src_dir() -> Path | None:
@@ -38,12 +38,13 @@ def _llama_src_dir() -> Path | None:
             )
             sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
             staging = _CACHE.with_name(_CACHE.name + ".partial")
+            shutil.rmtree(staging, ignore_errors=True)
             with tarfile.open(sdist) as tar:
                 prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/"
                 members = []
                 for m in tar.getmembers():
                     rel = m.name[len(prefix):] if m.name.startswith(prefix) else None
-                    if rel and rel.startswith(_WANTED) and (m.isfile() or m.isdir()):
+                    if rel and (m.isfile() or m.isdir()):
                         m.name = rel
                         members.append(m)
                 tar.extractall(staging, members=members, filter="data")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up FLE in ./.venv on a fresh machine (idempotent; a second run is quick).
 #   tools/setup.sh              the package, its console scripts and the test tools
-#   tools/setup.sh --reference  also llama-cpp-python 0.3.36, the neutral reference
+#   tools/setup.sh --reference  also transformers 5.23 and llama-cpp-python 0.3.36, the
+#                               neutral references
 #                               the reference tests compare against; it compiles from
 #                               source once (~7 min on 2 cores) and the wheel is kept in
 #                               $FLE_WHEEL_CACHE (default ~/.cache/fle/wheels)
@@ -34,4 +35,7 @@ if [ "${1:-}" = "--reference" ]; then
         fi
         $PIP install -q "$wheel"
     fi
+    # transformers is the tie-breaker for qwen4exp outputs (reference tier only)
+    .venv/bin/python -c "import transformers.models.qwen4_exp" 2>/dev/null \
+        || $PIP install -q "transformers==5.23.0"
 fi

@@ -12,8 +12,10 @@ from fle_quant.errors import FleError
 
 
 def available() -> list[str]:
-    """Architectures this package implements."""
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    """Architectures this package implements (helper modules such as an
+    architecture's MTP head, ``<arch>_mtp``, are not architectures)."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__)
+                  if not m.name.startswith("_") and not m.name.endswith("_mtp"))
 
 
 def get_arch(arch: str, path: object = None) -> ModuleType:
