@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 import fle_engine  # noqa: E402
 from fle_quant.synth import make_model  # noqa: E402
 
-ARCHS = ("qwen3moe", "qwen3next")
+ARCHS = ("qwen3moe", "qwen3next", "qwen4exp")
 N_TOKENS = 160
 
 
