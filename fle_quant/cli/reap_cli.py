@@ -2,15 +2,18 @@
 
 Subcommands:
 
+- ``score``: measure per-expert scores (REAP saliency, mean activation
+  norm or routing frequency) over a calibration text with FLE's reference
+  forward pass and write the score table (see :mod:`fle_quant.scoring`);
 - ``prune``: remove the lowest-scored experts of every MoE layer, given a
   score table (format ``fle.scores/1``, see :mod:`fle_quant.prune`).
 
-Measuring the scores (a ``score`` subcommand) is not part of this version;
-new subcommands register in ``_COMMANDS``.
+New subcommands register in ``_COMMANDS``.
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..errors import FleError
 from ..prune import prune
@@ -92,8 +95,85 @@ def _run_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+_SCORE_EPILOG = """\
+Methods, per MoE layer and expert j, over the tokens whose top-k includes j
+(f_j(x): the expert's own output; g_j(x): the router's top-k probabilities
+renormalised to sum 1):
+  reap       mean of g_j(x) * ||f_j(x)||_2   (REAP saliency)
+  man        mean of ||f_j(x)||_2            (mean activation norm)
+  frequency  routed tokens / tokens seen
+An expert no token was routed to scores 0. The text is tokenized with the
+model's own tokenizer; its first --tokens tokens run in windows of --ctx, each
+from an empty state. The model is held in memory as float32 on --device.
+
+An MTP block is scored (under its block index) when FLE's forward pass runs it:
+a qwen4exp head inside the model or given as --mtp-head. Otherwise the table's
+info.mtp says it was not scored.
+
+examples:
+  fle-reap score model.gguf --text wiki.txt --tokens 4096 -o scores.json
+  fle-reap score trunk.gguf --mtp-head trunk-mtp.gguf --text wiki.txt -o scores.json
+  fle-reap prune model.gguf --scores scores.json --keep 448 -o model-reap448.gguf
+
+Exit status 2 with a one-line message for bad input; the table is written
+under a temporary name and renamed only when complete.
+"""
+
+
+def _add_score(sub: "argparse._SubParsersAction") -> None:
+    from ..scoring import METHODS
+    from ..sensitivity import DEFAULT_CTX, DEFAULT_TOKENS
+
+    p = sub.add_parser(
+        "score",
+        help="measure per-expert scores over a calibration text",
+        description="Run the model over a calibration text and score every routed expert of every\n"
+                    "MoE layer; writes the score table (format fle.scores/1) that prune reads.",
+        epilog=_SCORE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL.gguf", help="the model (any shard of a split model)")
+    p.add_argument("--text", required=True, metavar="FILE", help="calibration text (UTF-8)")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, metavar="N",
+                   help=f"tokens of the text to score over (default {DEFAULT_TOKENS})")
+    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, metavar="N",
+                   help=f"tokens per window (default {DEFAULT_CTX})")
+    p.add_argument("--method", default="reap", choices=METHODS, help="the score (default reap)")
+    p.add_argument("--mtp-head", metavar="MTP.gguf", help="a separate MTP-head file to score with the model")
+    p.add_argument("--device", default="cpu", metavar="DEV", help="torch device, e.g. cuda (default cpu)")
+    p.add_argument("-o", "--output", required=True, metavar="SCORES.json", help="where to write the table")
+    p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    p.set_defaults(run=_run_score)
+
+
+def _run_score(args: argparse.Namespace) -> int:
+    from ..scoring import score
+    from ..sensitivity import check_output, write_json_atomic
+
+    for what, path in [("MODEL", args.model), ("--text", args.text)] + \
+            ([("--mtp-head", args.mtp_head)] if args.mtp_head else []):
+        if not os.path.isfile(path):
+            raise FleError(f"{path}: no such file (given as {what})")
+    if args.tokens < 1:
+        raise FleError(f"--tokens must be at least 1, got {args.tokens}")
+    check_output(args.output, args.force)
+    table = score(args.model, args.text, method=args.method, n_tokens=args.tokens, ctx=args.ctx,
+                  mtp_head=args.mtp_head, device=args.device, progress=True)
+    write_json_atomic(args.output, table, args.force)
+    routed = table["info"]["routed_tokens"]
+    for layer, values in table["layers"].items():
+        never = sum(1 for c in routed[layer] if c == 0)
+        print(f"  layer {layer:>3}: {len(values)} experts, {never} never routed, "
+              f"score {min(values):.6g} .. {max(values):.6g}")
+    if table["info"]["mtp"].startswith("not scored"):
+        print(f"note: MTP block {table['info']['mtp']}")
+    print(f"wrote {args.output} ({args.method}, {table['tokens']} tokens, {len(table['layers'])} layers)")
+    return 0
+
+
 # name -> adds its parser (which sets ``run``)
 _COMMANDS = {
+    "score": _add_score,
     "prune": _add_prune,
 }
 
@@ -101,8 +181,8 @@ _COMMANDS = {
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fle-reap",
-        description="Expert pruning for MoE models: remove the least important routed experts of\n"
-                    "every layer, given per-expert scores.",
+        description="Expert pruning for MoE models: score the routed experts of every layer over a\n"
+                    "calibration text (score), then remove the least important ones (prune).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
