@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="output file (x.gguf; shards become x-0000k-of-0000N.gguf)")
     p.add_argument("--seed", type=int, default=0, help="weights depend only on the seed, tensor name and shape")
     p.add_argument("--mix", default="f32", help="quant mix preset: f32, q8_0 or release (default f32)")
+    p.add_argument("--rule", action="append", default=[], metavar="REGEX=TYPE",
+                   help="quant type for the tensors whose name matches REGEX, checked before the preset's "
+                        "rules (first match wins), e.g. --rule 'ffn_(gate|up|down)_exps=IQ3_S'; repeatable. "
+                        "The same seed with other rules writes a donor with the same float weights")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a size: GGUF key without the arch prefix, dots as underscores "
                         "(block_count=6, expert_count=16, vocab_size=1024); repeatable")
@@ -74,7 +78,20 @@ def main(argv=None) -> int:
             if not sep or not key.strip():
                 raise FleError(f"--set {item!r}: expected KEY=VALUE")
             overrides[key.strip().replace(".", "_")] = value.strip()
-        path = make_model(args.output, args.arch, args.seed, mix=args.mix, split_max_size=args.split_max_size,
+        mix = args.mix
+        if args.rule:
+            from .mix import PRESETS
+
+            if args.mix.lower() not in PRESETS:
+                raise FleError(f"unknown mix {args.mix!r}; presets: {', '.join(PRESETS)}")
+            rules = []
+            for item in args.rule:
+                regex, sep, qtype = item.rpartition("=")
+                if not sep or not regex:
+                    raise FleError(f"--rule {item!r}: expected REGEX=TYPE, e.g. 'ffn_up_exps=IQ3_S'")
+                rules.append((regex, qtype.strip()))
+            mix = rules + list(PRESETS[args.mix.lower()])
+        path = make_model(args.output, args.arch, args.seed, mix=mix, split_max_size=args.split_max_size,
                           split_max_tensors=args.split_max_tensors, mtp=args.mtp, vocab=args.vocab,
                           force=args.force, routing_skew=args.routing_skew, dead_experts=args.dead_experts,
                           **overrides)
