@@ -486,3 +486,25 @@ def test_cli(tmp_path, capsys):
                        "--mtp", "none"]) == 0
     shards = sorted(tmp_path.glob("s-*-of-*.gguf"))
     assert len(shards) > 1 and capsys.readouterr().out.strip() == str(shards[0])
+
+
+def test_cli_rule_writes_donor_with_same_floats(tmp_path, capsys):
+    from fle_quant.synth.cli import main as synth_main
+
+    base = tmp_path / "base.gguf"
+    donor = tmp_path / "donor.gguf"
+    assert synth_main(["qwen3moe", "-o", str(base), "--mix", "q8_0"]) == 0
+    assert synth_main(["qwen3moe", "-o", str(donor), "--mix", "q8_0", "--rule", r"blk\.1\.ffn_(gate|up|down)_exps=Q4_0"]) == 0
+    with GGUFModel.open(base) as b, GGUFModel.open(donor) as d:
+        for name, t in d.tensors.items():
+            if name.startswith("blk.1.ffn_") and "_exps" in name:
+                assert t.qtype.name == "Q4_0", name
+            else:
+                assert t.qtype == b.tensors[name].qtype, name
+                assert np.array_equal(d.tensor_bytes(name), b.tensor_bytes(name)), name
+    capsys.readouterr()
+    assert synth_main(["qwen3moe", "-o", str(tmp_path / "x.gguf"), "--rule", "no-type-here"]) == 2
+    assert synth_main(["qwen3moe", "-o", str(tmp_path / "x.gguf"), "--rule", "ffn=NOTATYPE"]) == 2
+    err = capsys.readouterr().err
+    assert "NOTATYPE" in err and "Traceback" not in err
+    assert not (tmp_path / "x.gguf").exists()
