@@ -327,9 +327,12 @@ def test_cli_show_plan(capsys):
     assert "hf download unsloth/Qwen3.8-Flash-Next-GGUF --include 'UD-IQ4_XS/" in out
     assert out.count("hf download ISTA-DASLab/Qwen3.8-Flash-Next-GSQ-RCO-GGUF") == 2
     # commands in the order of the steps, unknowns flagged
-    order = [out.index(c) for c in ("fle-sensitivity ", "fle-select ", "fle-splice ", "fle-prune ")]
+    order = [out.index(c) for c in ("fle-sensitivity --ref ", "fle-select ", "fle-splice ", "fle-reap score ",
+                                    "fle-reap prune ")]
     assert order == sorted(order)
     assert "--max-error <UNKNOWN>" in out and "--keep 448" in out and "--step 16MB" in out
+    assert "--method reap" in out and "--tokens 524288 --ctx 2048" in out
+    assert "not part of this FLE version" not in out  # every step's tool exists
     r = load_recipe(str(SELECTIONS / "FLE-IQ3_M-REAP448.recipe.json"))
     tail = out[out.index("Unknown ("):]
     assert all(p in tail for p in r.unknown_paths)

@@ -40,7 +40,8 @@ _COMMANDS = {
     "sensitivity": ("fle-sensitivity", "fle_quant.cli.sensitivity_cli"),
     "select": ("fle-select", "fle_quant.cli.select_cli"),
     "splice": ("fle-splice", "fle_quant.cli.splice_cli"),
-    "prune": ("fle-prune", "fle_quant.cli.prune_cli"),
+    "score": ("fle-reap score", "fle_quant.cli.reap_cli"),
+    "prune": ("fle-reap prune", "fle_quant.cli.reap_cli"),
     "requant": ("fle-requant", "fle_quant.cli.requant_cli"),
 }
 _U = "<UNKNOWN>"
@@ -167,10 +168,10 @@ def _step_plan(r: Recipe, models: str, work: str) -> list[str]:
                        f"({_v(sens.tokens)} tokens of {_v(sens.text)}, reference {_v(sens.reference)})")
             cands = [donor_arg[c] for c in step.candidates]
             # the recipe describes the reference and the text; neither is a public file it can name
-            out += _cmd("sensitivity", [f"--reference {_U}", f"--base {base_path}", *cands,
+            out += _cmd("sensitivity", [f"--ref {_U}", f"--base {base_path}", *cands,
                                         f"--tokens {_arg(sens.tokens)}", f"--text {_U}", f"-o {table}"])
             if is_known(sens.reference):
-                out.append(f"    --reference: a {sens.reference} file of the model; the recipe names "
+                out.append(f"    --ref: a {sens.reference} file of the model; the recipe names "
                            "no public one")
             if not is_known(sens.text) or "not published" in sens.text:
                 out.append("    --text: the capture text is not published; a rebuild must use another "
@@ -191,9 +192,11 @@ def _step_plan(r: Recipe, models: str, work: str) -> list[str]:
             dst = os.path.join(work, r.name, f"{r.name}.gguf")
             out.append(f"{n}. splice: copy the chosen layers' expert tensors (/{_v(step.tensors)}/) "
                        f"from the donors into the base")
+            # fle-splice always takes whole expert layers (gate, up, down or fused gate_up);
+            # the recipe's tensor pattern documents that choice
             out += _cmd("splice", [f"--base {base_path}", *donor_args,
                                    f"--selection {os.path.join(work, r.name, 'selection.json')}",
-                                   f"--tensors {_arg(step.tensors)}", f"-o {dst}"])
+                                   f"-o {dst}"])
             current = dst
         elif isinstance(step, PruneStep):
             cal = step.calibration
@@ -202,8 +205,12 @@ def _step_plan(r: Recipe, models: str, work: str) -> list[str]:
                        f"{step.method} saliency, measured over {_v(cal.sequences)} x "
                        f"{_v(cal.sequence_length)} tokens of calibration text")
             out.append(f"    calibration text: {_v(cal.description)}")
-            out += _cmd("prune", [current, f"--method {step.method}", f"--keep {step.keep}",
-                                  f"--calibration {_U}", f"-o {dst}"])
+            scores = os.path.join(work, r.name, "scores.json")
+            tokens = (f"--tokens {cal.sequences * cal.sequence_length} --ctx {cal.sequence_length}"
+                      if is_known(cal.sequences) and is_known(cal.sequence_length) else f"--tokens {_U}")
+            out += _cmd("score", [current, f"--method {step.method.lower()}", f"--text {_U}", tokens,
+                                  f"-o {scores}"])
+            out += _cmd("prune", [current, f"--scores {scores}", f"--keep {step.keep}", f"-o {dst}"])
             if is_known(cal.description) and "not published" in cal.description:
                 out.append(f"    the calibration text is not published ({_U}): a rebuild must write "
                            "its own and may keep other experts")
