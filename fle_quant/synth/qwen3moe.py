@@ -37,7 +37,7 @@ KEYS = [
 ]
 
 HAS_MTP = False
-MTP_FILE_HAS_VOCAB = False  # the separate head file carries the tokenizer
+MTP_FILE_HAS_VOCAB = False  # the separate head file carries no tokenizer
 DEFAULT_MTP = "none"
 SHARED = 0.5          # weight of the shared direction in every embedding
 ATTN_GAIN = 0.7       # scales attention's and the experts' contributions to the residual

@@ -59,7 +59,7 @@ from .qwen3next import attention_tensors, configure_gdn
 
 ARCH = "qwen4exp"
 HAS_MTP = True
-MTP_FILE_HAS_VOCAB = False  # the separate head file carries the tokenizer
+MTP_FILE_HAS_VOCAB = False  # the separate head file carries no tokenizer
 DEFAULT_MTP = "separate"
 
 KEYS = [
