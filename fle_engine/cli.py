@@ -1,0 +1,113 @@
+"""``fle-engine``: run a GGUF model with FLE's engine.
+
+``fle-engine generate MODEL --prompt TEXT -n N`` continues a prompt, or
+answers it as a chat message with ``--chat``, streaming the text to stdout;
+sampling follows llama.cpp's default chain and defaults (see
+:mod:`fle_engine.sampling`), ``--temp 0`` is greedy."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from fle_quant.cli.common import cli_entry, exit_main
+from fle_quant.errors import FleError
+
+_DESCRIPTION = "Run a GGUF model with FLE's engine (torch)."
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fle-engine", description=_DESCRIPTION)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    g = sub.add_parser(
+        "generate", help="continue a prompt (or answer it as a chat message) and print the text",
+        description="Tokenize the prompt, prefill it, then sample one token at a time through the KV cache, "
+                    "printing the text as it comes, until -n tokens or an end-of-generation token. Sampling "
+                    "is llama.cpp's default chain: top-k, top-p, min-p, then temperature; --temp 0 is greedy.",
+    )
+    g.add_argument("model", help="GGUF model (any shard of a split model)")
+    g.add_argument("-p", "--prompt", required=True, help="prompt text; special-token texts such as <|im_start|> "
+                                                        "are recognised, as llama.cpp does")
+    g.add_argument("-n", "--n-predict", type=int, default=128, dest="n_predict",
+                   help="tokens to generate at most (default: 128)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the model's chat template")
+    g.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 or less is greedy (default: 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="keep the K most likely tokens; 0 = off (default: 40)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus probability; 1 = off (default: 0.95)")
+    g.add_argument("--min-p", type=float, default=0.05,
+                   help="drop tokens below this fraction of the top probability; 0 = off (default: 0.05)")
+    g.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: a random one)")
+    g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    g.add_argument("--special", action="store_true", help="print control tokens' text too")
+    return p
+
+
+def _prompt_tokens(tok, args) -> list[int]:
+    text = args.prompt
+    if args.chat:
+        from .chat import render_prompt
+
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+        messages.append({"role": "user", "content": text})
+        text = render_prompt(tok, messages, add_generation_prompt=True)
+    elif args.system is not None:
+        raise FleError("--system needs --chat")
+    return tok.encode(text, add_special=True, parse_special=True)
+
+
+def _generate(args) -> int:
+    import torch
+
+    from .loader import load
+    from .sampling import Sampler, SamplerParams, generate_tokens
+    from .tokenizer import Tokenizer
+
+    if args.n_predict < 1:
+        raise FleError(f"-n must be at least 1, got {args.n_predict}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise FleError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    sampler = Sampler(SamplerParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed))
+    tok = Tokenizer.from_gguf(args.model)
+    prompt = _prompt_tokens(tok, args)
+    if not prompt:
+        raise FleError("the prompt tokenizes to nothing; give a non-empty --prompt")
+    model = load(args.model, device=args.device)
+    if tok.n_vocab > model.n_vocab:
+        raise FleError(f"{args.model}: the vocabulary has {tok.n_vocab} tokens but the model outputs "
+                       f"{model.n_vocab}; the file is inconsistent")
+    stream = tok.stream(special=args.special)
+    out = sys.stdout
+    t0 = time.perf_counter()
+    n = 0
+    stopped = False
+    for t in generate_tokens(model, prompt, args.n_predict, sampler, stop=tok.eog_ids):
+        n += 1
+        if t in tok.eog_ids:
+            stopped = True
+            break
+        out.write(stream.add(t))
+        out.flush()
+    out.write(stream.flush() + "\n")
+    out.flush()
+    dt = time.perf_counter() - t0
+    why = "end of generation" if stopped else f"{args.n_predict} tokens"
+    print(f"[prompt {len(prompt)} tokens, generated {n} tokens ({why}), {dt:.2f} s, "
+          f"seed {sampler.seed}]", file=sys.stderr)
+    return 0
+
+
+@cli_entry("fle-engine")
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    raise FleError(f"unknown command {args.command!r}")  # argparse rejects it first
+
+
+if __name__ == "__main__":
+    exit_main(main)
