@@ -182,6 +182,19 @@ def test_score_then_prune_cli(files, tmp_path, capsys):
     assert pruned.args.n_expert == KEEP
     assert np.isfinite(pruned.logits([1, 2, 3])).all()
 
+    # ... and on to fle-kld: the unpruned model's base file, then the pruned model against it
+    from fle_quant.cli.kld_cli import main as kld_main
+
+    base = tmp_path / "base.kld"
+    assert kld_main(["base", str(files["model"]), "--text", str(files["eval"]), "-c", "64", "--chunks", "2",
+                     "-o", str(base)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert kld_main([str(tmp_path / "p.gguf"), "--base", str(base)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    mean_kld = float(out.split("Mean    KLD:")[1].split()[0])
+    assert mean_kld > 0.0   # removing routed experts changes the distribution
+    assert "Same top p" in out
+
 
 def test_mtp_head_scored_under_its_block(tmp_path):
     trunk = make_model(tmp_path / "q4.gguf", "qwen4exp", seed=SEED, mix="f32", mtp="separate")
