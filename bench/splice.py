@@ -37,7 +37,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -48,41 +47,10 @@ from fle_quant.select import Selection
 from fle_quant.splice import execute, fill_provenance, plan_splice
 from fle_quant.synth import make_model
 
+from memwatch import PeakSampler, rss_anon_kb  # this folder's helper
+
 SHAPE = dict(embedding_length=1024, expert_feed_forward_length=512, expert_count=64, expert_used_count=8,
              attention_head_count=8, attention_head_count_kv=2, attention_key_length=128)
-
-
-def rss_anon_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    raise RuntimeError("no RssAnon in /proc/self/status (Linux only)")
-
-
-class PeakSampler:
-    """Highest RssAnon seen while active, in kB."""
-
-    def __init__(self, interval: float = 0.005):
-        self.interval = interval
-        self.peak_kb = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak_kb = max(self.peak_kb, rss_anon_kb())
-            time.sleep(self.interval)
-
-    def __enter__(self) -> "PeakSampler":
-        self.peak_kb = rss_anon_kb()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak_kb = max(self.peak_kb, rss_anon_kb())
 
 
 def expand(template: Path, out: Path, n_layers: int) -> Path:

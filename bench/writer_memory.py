@@ -21,7 +21,6 @@ import random
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,36 +30,7 @@ from fle_quant.ggml_types import GGMLType, tensor_nbytes
 from fle_quant.gguf_format import GGUFValueType
 from fle_quant.gguf_writer import ByteSource, WritePlan, write_gguf
 
-
-def rss_anon_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    raise RuntimeError("no RssAnon in /proc/self/status (Linux only)")
-
-
-class PeakSampler:
-    def __init__(self, interval: float = 0.005):
-        self.interval = interval
-        self.peak_kb = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak_kb = max(self.peak_kb, rss_anon_kb())
-            time.sleep(self.interval)
-
-    def __enter__(self) -> "PeakSampler":
-        self.peak_kb = rss_anon_kb()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak_kb = max(self.peak_kb, rss_anon_kb())
+from memwatch import PeakSampler, rss_anon_kb  # this folder's helper
 
 
 def make_source(path: Path, n_bytes: int) -> None:
