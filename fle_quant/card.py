@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import FleError
+from .textio import write_text_atomic
 from .gguf_reader import GGUFModel
 from .inspect import ModelSummary, summarize
 from .splice import PROVENANCE_PREFIX
@@ -286,17 +287,5 @@ def write_card(text: str, out: "str | os.PathLike[str]", *, force: bool = False)
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FleError(f"{out}: cannot create directory {out.parent} ({e.strerror})") from None
-    tmp = out.with_name(f".{out.name}.fle-tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text if text.endswith("\n") else text + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise FleError(f"{out}: cannot write it ({e.strerror})") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_text_atomic(out, text if text.endswith("\n") else text + "\n", force)
     return out

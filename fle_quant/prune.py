@@ -57,7 +57,6 @@ only copied by the writer from their byte ranges.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
@@ -68,6 +67,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import FleError
+from .textio import read_json_file
 from .ggml_types import BLOCK_GEOMETRY
 from .gguf_format import GGUFValueType
 from .gguf_reader import GGUFModel, TensorInfo
@@ -127,33 +127,9 @@ class Scores:
 def load_scores(path: "str | os.PathLike[str]") -> Scores:
     """Read and validate a score table file; its sha256 is the file's."""
     label = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise FleError(f"{label}: no such file; give the expert score table (format {SCORES_FORMAT})") from None
-    except IsADirectoryError:
-        raise FleError(f"{label}: is a directory, expected a score table JSON file") from None
-    except OSError as e:
-        raise FleError(f"{label}: cannot read it ({e.strerror})") from None
-    try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates(label))
-    except UnicodeDecodeError:
-        raise FleError(f"{label}: not a score table (not UTF-8 text)") from None
-    except json.JSONDecodeError as e:
-        raise FleError(f"{label}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    obj, raw = read_json_file(path, "score table",
+                              missing_hint=f"give the expert score table (format {SCORES_FORMAT})")
     return parse_scores(obj, hashlib.sha256(raw).hexdigest(), label)
-
-
-def _no_duplicates(label: str):
-    def hook(pairs):
-        out = {}
-        for k, v in pairs:
-            if k in out:
-                raise FleError(f"{label}: key {k!r} appears twice in one object")
-            out[k] = v
-        return out
-    return hook
 
 
 def parse_scores(obj: Any, sha256: str = "", source: str = "scores") -> Scores:

@@ -89,6 +89,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FleError
+from .textio import read_json_file
 from .units import format_size
 
 TABLE_FORMAT = "fle.sensitivity/1"
@@ -150,36 +151,6 @@ def _layer_sum(values) -> float:
     for v in values:
         total += float(v)
     return total
-
-
-def _no_duplicate_keys(label: str):
-    def hook(pairs):
-        out = {}
-        for k, v in pairs:
-            if k in out:
-                raise FleError(f"{label}: key {k!r} appears twice in one object")
-            out[k] = v
-        return out
-
-    return hook
-
-
-def _read_json(path, what: str) -> tuple[Any, bytes]:
-    label = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise FleError(f"{label}: no such file; give the {what} JSON file") from None
-    except OSError as e:
-        raise FleError(f"{label}: cannot read it ({e.strerror})") from None
-    try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(label))
-    except UnicodeDecodeError:
-        raise FleError(f"{label}: not a {what} (not UTF-8 text)") from None
-    except json.JSONDecodeError as e:
-        raise FleError(f"{label}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    return obj, raw
 
 
 def _is_int(v) -> bool:
@@ -301,7 +272,7 @@ def parse_table(obj: Any, label: str = "sensitivity table", sha256: str | None =
 
 def load_table(path) -> SensitivityTable:
     """Read and validate a sensitivity table file; its sha256 is the file's."""
-    obj, raw = _read_json(path, "sensitivity table")
+    obj, raw = read_json_file(path, "sensitivity table")
     return parse_table(obj, os.fspath(path), hashlib.sha256(raw).hexdigest())
 
 
@@ -442,7 +413,7 @@ def parse_selection(obj: Any, label: str = "selection") -> Selection:
 
 def load_selection(path) -> Selection:
     """Read and validate a selection file written by ``fle-select``."""
-    obj, _ = _read_json(path, "selection")
+    obj, _ = read_json_file(path, "selection")
     return parse_selection(obj, os.fspath(path))
 
 

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import re
@@ -72,6 +71,7 @@ import numpy as np
 
 from . import __version__
 from .errors import FleError
+from .textio import write_json_atomic
 from .gguf_format import pad
 from .gguf_reader import GGUFModel, TensorInfo
 from .select import TABLE_FORMAT, parse_table
@@ -567,37 +567,6 @@ def measure(ref: "str | os.PathLike[str]", donors: Mapping[str, "str | os.PathLi
 
 # ---------------------------------------------------------------------------
 # writing
-
-
-def write_json_atomic(path: "str | os.PathLike[str]", obj: Any, force: bool = False) -> None:
-    """Write ``obj`` as JSON under a temporary name next to ``path`` and
-    rename it into place; without ``force`` an existing ``path`` is never
-    replaced."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FleError(f"{path}: the folder {directory} does not exist")
-    if not force and os.path.exists(path):
-        raise FleError(f"{path}: exists; choose another name or pass --force to replace it")
-    text = json.dumps(obj, indent=1) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if force:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)  # fails if the name appeared meanwhile, never overwriting it
-            except FileExistsError:
-                raise FleError(f"{path}: exists; choose another name or pass --force to replace it") from None
-            os.unlink(tmp)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def check_output(path: "str | os.PathLike[str]", force: bool) -> None:

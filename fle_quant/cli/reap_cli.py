@@ -148,7 +148,8 @@ def _add_score(sub: "argparse._SubParsersAction") -> None:
 
 def _run_score(args: argparse.Namespace) -> int:
     from ..scoring import score
-    from ..sensitivity import check_output, write_json_atomic
+    from ..sensitivity import check_output
+    from ..textio import write_json_atomic
 
     for what, path in [("MODEL", args.model), ("--text", args.text)] + \
             ([("--mtp-head", args.mtp_head)] if args.mtp_head else []):

@@ -5,14 +5,13 @@ selection for ``fle-splice``."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import tempfile
 
 from ..errors import FleError
 from ..select import (DEFAULT_STEP_BYTES, format_selection, load_table, select_for_error,
                       select_for_target)
+from ..textio import write_json_atomic
 from ..units import parse_size
 from .common import cli_entry, exit_main
 
@@ -63,37 +62,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _write_atomic(path: str, text: str, force: bool) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FleError(f"{path}: the folder {directory} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if force:
-            os.replace(tmp, path)
-        else:
-            # a hard link fails if the name appeared meanwhile, never overwriting it
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                raise FleError(f"{path} exists; pass --force to replace it") from None
-            except OSError:
-                # file systems without hard links: check, then rename
-                if os.path.exists(path):
-                    raise FleError(f"{path} exists; pass --force to replace it") from None
-                os.replace(tmp, path)
-            else:
-                os.unlink(tmp)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 @cli_entry("fle-select")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -109,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         if not math.isfinite(args.max_error):
             raise FleError(f"--max-error must be a finite number, got {args.max_error}")
         selection = select_for_error(table, args.max_error, step)
-    _write_atomic(args.output, json.dumps(selection.to_json(), indent=1) + "\n", args.force)
+    write_json_atomic(args.output, selection.to_json(), args.force)
     print(format_selection(selection))
     print(f"wrote {args.output}")
     return 0
