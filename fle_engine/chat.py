@@ -73,13 +73,42 @@ def _compile(template: str) -> jinja2.Template:
         raise FleError(f"chat template: syntax error on line {e.lineno}: {e.message}; fix or replace the template") from None
 
 
+def normalize_messages(messages: Sequence[dict]) -> list[dict]:
+    """OpenAI-style messages as llama.cpp hands them to a template: a message
+    without ``content`` gets ``""``, and tool-call ``arguments`` given as a
+    JSON string become the object they encode (templates iterate over them)."""
+    out = []
+    for msg in messages:
+        msg = dict(msg)
+        if msg.get("content") is None:
+            msg["content"] = ""
+        calls = msg.get("tool_calls")
+        if calls:
+            fixed = []
+            for call in calls:
+                call = dict(call)
+                fn = call.get("function")
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        args = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        raise FleError(f"tool call {fn.get('name', '?')!r}: arguments are not valid JSON") from None
+                    call["function"] = {**fn, "arguments": args}
+                fixed.append(call)
+            msg["tool_calls"] = fixed
+        out.append(msg)
+    return out
+
+
 def apply_chat_template(template: str, messages: Sequence[dict], add_generation_prompt: bool = True, *,
                         tools: Sequence[dict] | None = None, enable_thinking: bool | None = None,
                         bos_token: str = "", eos_token: str = "", **kwargs: Any) -> str:
     """Render ``template`` for ``messages``.
 
+    Messages are first normalized as llama.cpp does (:func:`normalize_messages`).
     ``enable_thinking`` is passed to the template only when not None, so that
-    templates testing ``enable_thinking is defined`` see their default.
+    templates testing ``enable_thinking is defined`` see their default (as in
+    transformers; llama.cpp always passes it, true unless asked otherwise).
     Further ``kwargs`` become template variables (e.g. ``add_vision_id``).
     """
     if not isinstance(template, str) or not template:
@@ -89,7 +118,7 @@ def apply_chat_template(template: str, messages: Sequence[dict], add_generation_
         variables["enable_thinking"] = enable_thinking
     try:
         return _compile(template).render(
-            messages=list(messages),
+            messages=normalize_messages(messages),
             tools=list(tools) if tools is not None else None,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,

@@ -1,0 +1,274 @@
+"""fle_engine.chat against llama.cpp's own C++ chat-template path.
+
+``tests/llama_chat_render.cpp`` renders a prompt through llama.cpp's common
+chat API (``common_chat_templates_init`` + ``common_chat_templates_apply``,
+the path llama-server takes) and its C++ Jinja engine (``common/jinja``), so
+this reference shares no code with Python's jinja2, unlike
+llama-cpp-python's ``Jinja2ChatFormatter`` used in test_tokenizer.py. It is
+compiled against the static libraries of the llama.cpp build that
+test_kld_llama.py keeps under ``$FLE_CACHE_DIR/llama-tools-0.3.36``
+(default ``~/.cache/fle``); the libraries are built there first when missing
+(several minutes on two cores). Tests skip when the sources, cmake or a C++
+compiler are missing. llama-cpp-python itself is not needed.
+
+Every ``*Qwen*.jinja`` template of ``models/templates/`` is rendered for
+several conversations, with and without the generation prompt and with
+``enable_thinking`` False/True/unset; FLE's output must equal llama.cpp's
+byte for byte. Where llama.cpp does something on purpose that FLE does not
+(documented below with the llama.cpp source that does it), the test asserts
+the exact difference, so that it fails when either side changes; where FLE
+follows llama.cpp, the test asserts equality:
+
+* llama.cpp has no "unset" ``enable_thinking``: ``common_chat_templates_inputs``
+  holds a bool defaulting to true and ``common_chat_template_direct_apply_impl``
+  always passes it to the template (common/chat.h, common/chat.cpp). FLE
+  leaves it undefined when None, as HF transformers does. Templates that test
+  ``not enable_thinking`` (QwQ, DeepSeek-R1-Distill-Qwen) close the think
+  block for an undefined value and leave it open for true.
+* llama.cpp rewrites messages before rendering (common/chat.cpp:
+  ``common_chat_msg::to_json_oaicompat`` gives every message a ``content``,
+  "" when absent; ``workaround::func_args_not_string`` parses tool-call
+  ``arguments`` given as a JSON string into an object when the template's
+  caps say it takes object arguments). FLE's ``normalize_messages`` does the
+  same, so raw and normalized messages render identically in both.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fle_engine.chat import apply_chat_template
+from fle_quant.gguf_reader import GGUFModel
+
+pytestmark = pytest.mark.reference
+
+LLAMA_CPP_PYTHON = "0.3.36"
+_TOOLS = Path(os.environ.get("FLE_CACHE_DIR", Path.home() / ".cache" / "fle")) / f"llama-tools-{LLAMA_CPP_PYTHON}"
+_SOURCE = Path(__file__).with_name("llama_chat_render.cpp")
+# link order: dependents first; the group lets the linker revisit them
+_LIBS = ("common/libllama-common.a", "common/libllama-common-base.a", "src/libllama.a",
+         "ggml/src/libggml.a", "ggml/src/libggml-cpu.a", "ggml/src/libggml-base.a")
+
+
+def _build_libraries(src: Path, build: Path) -> None:
+    """The chat API's static libraries, configured as test_kld_llama.py
+    configures the shared build directory (which may already hold its tools)."""
+    cmds = []
+    if not (build / "CMakeCache.txt").is_file():
+        cfg = ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
+               "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+               "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+        if shutil.which("ninja"):
+            cfg += ["-G", "Ninja"]
+        cmds.append(cfg)
+    cmds.append(["cmake", "--build", str(build), "--target", "llama-common", "llama-common-base", "-j2"])
+    log = build.parent / "chat-build.log"
+    with open(log, "w") as f:
+        for cmd in cmds:
+            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=3600).returncode:
+                pytest.skip(f"building llama.cpp's common library failed; see {log}")
+
+
+@pytest.fixture(scope="session")
+def llama_chat_render(llama_src) -> Path:
+    """The compiled renderer, cached next to the build and rebuilt when its
+    source or the libraries are newer."""
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        pytest.skip("compiling llama_chat_render.cpp needs a C++ compiler")
+    src = llama_src / "vendor" / "llama.cpp"
+    if not (src / "common" / "chat.h").is_file():
+        pytest.skip(f"{src} lacks common/chat.h; set FLE_LLAMA_SRC to a full llama-cpp-python sdist")
+    build = _TOOLS / "build"
+    libs = [build / lib for lib in _LIBS]
+    if not all(lib.is_file() for lib in libs):
+        if not shutil.which("cmake"):
+            pytest.skip("building llama.cpp's common library needs cmake")
+        _TOOLS.mkdir(parents=True, exist_ok=True)
+        _build_libraries(src, build)
+        missing = [str(lib) for lib in libs if not lib.is_file()]
+        if missing:
+            pytest.skip(f"the build did not produce {', '.join(missing)}")
+    exe = _TOOLS / "llama-chat-render"
+    newest = max(p.stat().st_mtime for p in [_SOURCE, *libs])
+    if not exe.is_file() or exe.stat().st_mtime < newest:
+        tmp = exe.with_name(f"{exe.name}.{os.getpid()}.tmp")
+        cmd = [cxx, "-std=c++17", "-O1", str(_SOURCE), "-o", str(tmp),
+               *(f"-I{src / d}" for d in ("include", "common", "vendor", "ggml/include")),
+               "-Wl,--start-group", *map(str, libs), "-Wl,--end-group", "-fopenmp", "-lpthread", "-ldl"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode:
+            pytest.fail(f"compiling {_SOURCE.name} failed:\n{r.stderr[-3000:]}")
+        tmp.replace(exe)  # atomic, for concurrent sessions
+    return exe
+
+
+def llama_render(exe: Path, template: str, messages: list[dict], add_generation_prompt: bool, *,
+                 tools: list[dict] | None, enable_thinking: bool | None, bos: str, eos: str) -> str:
+    request = {"template": template, "bos": bos, "eos": eos, "messages": messages,
+               "add_generation_prompt": add_generation_prompt, "enable_thinking": enable_thinking, "tools": tools}
+    r = subprocess.run([str(exe)], input=json.dumps(request).encode(), capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-3000:]
+    return r.stdout.decode("utf-8")
+
+
+_WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "City name, e.g. München"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+
+
+def _call(city: str, unit: str = "celsius") -> dict:
+    return {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city, "unit": unit}}}
+
+
+CONVERSATIONS = {
+    "system_user": ([
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Wie groß ist der Kölner Dom? 🏰"},
+    ], None),
+    "user_only": ([{"role": "user", "content": "Hello"}], None),
+    "multi_turn": ([
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nSimple sum.\n</think>\n\n4"},
+        {"role": "user", "content": "And 日本 in English?"},
+    ], None),
+    # reasoning_content on earlier and on the final assistant turn
+    "reasoning": ([
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Simple sum."},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "6", "reasoning_content": "Also simple."},
+    ], None),
+    "tool_call": ([
+        {"role": "system", "content": "Use tools when useful."},
+        {"role": "user", "content": "Weather in München?"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("München")]},
+        {"role": "tool", "content": '{"temp": 21, "sky": "klar"}'},
+    ], [_WEATHER_TOOL]),
+    "two_calls": ([
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in München and Köln?"},
+        {"role": "assistant", "content": "Checking both.", "tool_calls": [_call("München"), _call("Köln", "fahrenheit")]},
+        {"role": "tool", "content": "21"},
+        {"role": "tool", "content": "64"},
+        {"role": "assistant", "content": "München 21 °C, Köln 64 °F."},
+    ], [_WEATHER_TOOL]),
+}
+
+# templates whose text tests ``not enable_thinking``: for an undefined value
+# (FLE's None) they close the think block, for llama.cpp's default true they
+# leave it open; the templates' lines are quoted
+UNSET_THINKING_DIFFERS = {
+    "Qwen-QwQ-32B.jinja": "{%- if not enable_thinking -%}{{- '</think>' -}}{%- endif -%}",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "{% if not enable_thinking %}{{- '</think>' -}}{% endif %}",
+}
+
+
+def _qwen_templates(models: Path) -> list[Path]:
+    found = sorted((models / "templates").glob("*Qwen*.jinja"))
+    if not found:
+        pytest.skip(f"no Qwen templates under {models / 'templates'}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def qwen_bos_eos(llama_models) -> tuple[str, str]:
+    """BOS/EOS token texts of the Qwen vocabulary, as templates receive them."""
+    with GGUFModel.open(llama_models / "ggml-vocab-qwen2.gguf") as m:
+        tokens = m.metadata["tokenizer.ggml.tokens"]
+        return tokens[m.metadata["tokenizer.ggml.bos_token_id"]], tokens[m.metadata["tokenizer.ggml.eos_token_id"]]
+
+
+def test_qwen_templates_present(llama_models):
+    names = {p.name for p in _qwen_templates(llama_models)}
+    assert {"Qwen-Qwen3-0.6B.jinja", "Qwen3-Coder.jinja", "Qwen3.5-4B.jinja"} <= names
+
+
+@pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
+def test_templates_match_llama_cpp(llama_chat_render, llama_models, qwen_bos_eos, conversation):
+    messages, tools = CONVERSATIONS[conversation]
+    bos, eos = qwen_bos_eos
+    differs = set()
+    for path in _qwen_templates(llama_models):
+        template = path.read_text(encoding="utf-8")
+        for gen in (True, False):
+            ref, got = {}, {}
+            for thinking in (False, True, None):
+                ref[thinking] = llama_render(llama_chat_render, template, messages, gen, tools=tools,
+                                             enable_thinking=thinking, bos=bos, eos=eos)
+                got[thinking] = apply_chat_template(template, messages, gen, tools=tools, enable_thinking=thinking,
+                                                    bos_token=bos, eos_token=eos)
+            where = f"{path.name} {conversation} gen={gen}"
+            assert got[False] == ref[False], where
+            assert got[True] == ref[True], where
+            # llama.cpp's unset is its default, true
+            assert ref[None] == ref[True], where
+            if got[None] != ref[None]:
+                # only in a generation prompt, only for the templates listed, and
+                # exactly as if FLE's undefined were false
+                assert gen and UNSET_THINKING_DIFFERS.get(path.name, "<unlisted>") in template, where
+                assert got[None] == got[False], where
+                differs.add(path.name)
+            for m in messages:
+                if m["role"] in ("system", "user"):
+                    assert m["content"] in ref[True], where
+    if conversation == "user_only":
+        listed = {p.name for p in _qwen_templates(llama_models)} & set(UNSET_THINKING_DIFFERS)
+        assert differs == listed
+
+
+# conversations that llama.cpp rewrites before rendering, and the messages it
+# renders instead (see the module docstring)
+NORMALIZED = {
+    "arguments_as_json_string": (
+        [{"role": "user", "content": "Weather in München?"},
+         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+             "name": "get_weather", "arguments": '{"city":"München","unit":"celsius"}'}}]},
+         {"role": "tool", "content": "21"}],
+        [{"role": "user", "content": "Weather in München?"},
+         {"role": "assistant", "content": "", "tool_calls": [_call("München")]},
+         {"role": "tool", "content": "21"}],
+    ),
+    "tool_call_without_content": (
+        [{"role": "user", "content": "Weather in München?"},
+         {"role": "assistant", "tool_calls": [_call("München")]},
+         {"role": "tool", "content": "21"}],
+        [{"role": "user", "content": "Weather in München?"},
+         {"role": "assistant", "content": "", "tool_calls": [_call("München")]},
+         {"role": "tool", "content": "21"}],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NORMALIZED))
+def test_llama_cpp_normalizes_messages(llama_chat_render, llama_models, qwen_bos_eos, case):
+    """llama.cpp renders these messages as their normalized form (missing
+    content -> "", string tool-call arguments -> objects); FLE normalizes
+    them the same way, so the raw form renders identically in both."""
+    raw, normalized = NORMALIZED[case]
+    bos, eos = qwen_bos_eos
+    for path in _qwen_templates(llama_models):
+        template = path.read_text(encoding="utf-8")
+        kw = dict(tools=[_WEATHER_TOOL], enable_thinking=False)
+        ref = llama_render(llama_chat_render, template, raw, True, bos=bos, eos=eos, **kw)
+        assert ref == llama_render(llama_chat_render, template, normalized, True, bos=bos, eos=eos, **kw), path.name
+        assert apply_chat_template(template, normalized, True, bos_token=bos, eos_token=eos, **kw) == ref, path.name
+        assert apply_chat_template(template, raw, True, bos_token=bos, eos_token=eos, **kw) == ref, path.name
