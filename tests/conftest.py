@@ -66,3 +66,42 @@ def llama_src() -> Path:
 def llama_models(llama_src) -> Path:
     """``vendor/llama.cpp/models`` of the sdist: vocab GGUFs, .inp/.out, templates/."""
     return llama_src / "vendor" / "llama.cpp" / "models"
+
+
+LLAMA_TOOLS = _CACHE.with_name(f"llama-tools-{LLAMA_CPP_PYTHON}")
+_CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+
+
+@pytest.fixture(scope="session")
+def llama_build(llama_src):
+    """``build(*targets) -> build dir``: builds llama.cpp targets of the sdist
+    (static, ``-DGGML_NATIVE=OFF``) into one cached build directory,
+    configured once and shared by every test that needs llama.cpp's own
+    tools or libraries. Skips when cmake or a C++ compiler is missing or the
+    build fails (the log says why)."""
+    src = llama_src / "vendor" / "llama.cpp"
+    build_dir = LLAMA_TOOLS / "build"
+
+    def build(*targets: str) -> Path:
+        if not (src / "CMakeLists.txt").is_file():
+            pytest.skip(f"{src} holds no llama.cpp sources; set FLE_LLAMA_SRC to a full llama-cpp-python sdist")
+        if not shutil.which("cmake") or not (shutil.which("c++") or shutil.which("g++")):
+            pytest.skip("building llama.cpp needs cmake and a C++ compiler")
+        LLAMA_TOOLS.mkdir(parents=True, exist_ok=True)
+        cmds = []
+        if not (build_dir / "CMakeCache.txt").is_file():
+            cfg = ["cmake", "-S", str(src), "-B", str(build_dir), *_CMAKE_FLAGS]
+            if shutil.which("ninja"):
+                cfg += ["-G", "Ninja"]
+            cmds.append(cfg)
+        cmds.append(["cmake", "--build", str(build_dir), "--target", *targets, "-j2"])
+        log = LLAMA_TOOLS / "build.log"
+        with open(log, "a") as f:
+            for cmd in cmds:
+                if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=3600).returncode:
+                    pytest.skip(f"building llama.cpp ({' '.join(targets)}) failed; see {log}")
+        return build_dir
+
+    return build

@@ -55,27 +55,8 @@ _LIBS = ("common/libllama-common.a", "common/libllama-common-base.a", "src/libll
          "ggml/src/libggml.a", "ggml/src/libggml-cpu.a", "ggml/src/libggml-base.a")
 
 
-def _build_libraries(src: Path, build: Path) -> None:
-    """The chat API's static libraries, configured as test_kld_llama.py
-    configures the shared build directory (which may already hold its tools)."""
-    cmds = []
-    if not (build / "CMakeCache.txt").is_file():
-        cfg = ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
-               "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-               "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF"]
-        if shutil.which("ninja"):
-            cfg += ["-G", "Ninja"]
-        cmds.append(cfg)
-    cmds.append(["cmake", "--build", str(build), "--target", "llama-common", "llama-common-base", "-j2"])
-    log = build.parent / "chat-build.log"
-    with open(log, "w") as f:
-        for cmd in cmds:
-            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=3600).returncode:
-                pytest.skip(f"building llama.cpp's common library failed; see {log}")
-
-
 @pytest.fixture(scope="session")
-def llama_chat_render(llama_src) -> Path:
+def llama_chat_render(llama_src, llama_build) -> Path:
     """The compiled renderer, cached next to the build and rebuilt when its
     source or the libraries are newer."""
     cxx = shutil.which("c++") or shutil.which("g++")
@@ -87,10 +68,7 @@ def llama_chat_render(llama_src) -> Path:
     build = _TOOLS / "build"
     libs = [build / lib for lib in _LIBS]
     if not all(lib.is_file() for lib in libs):
-        if not shutil.which("cmake"):
-            pytest.skip("building llama.cpp's common library needs cmake")
-        _TOOLS.mkdir(parents=True, exist_ok=True)
-        _build_libraries(src, build)
+        llama_build("llama-common", "llama-common-base")
         missing = [str(lib) for lib in libs if not lib.is_file()]
         if missing:
             pytest.skip(f"the build did not produce {', '.join(missing)}")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -46,31 +45,11 @@ KLD_TOL = 1e-3  # the forward-pass tolerance between FLE and llama.cpp (see test
 _TOOLS = Path(os.environ.get("FLE_CACHE_DIR", Path.home() / ".cache" / "fle")) / f"llama-tools-{LLAMA_CPP_PYTHON}"
 
 
-def _build(src: Path, build: Path) -> None:
-    cfg = ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
-           "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-           "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF"]
-    if shutil.which("ninja"):
-        cfg += ["-G", "Ninja"]
-    log = build.parent / "build.log"
-    with open(log, "w") as f:
-        for cmd in (cfg, ["cmake", "--build", str(build), "--target", "llama-perplexity", "-j2"]):
-            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
-            if r.returncode:
-                pytest.skip(f"building llama-perplexity failed; see {log}")
-
-
 @pytest.fixture(scope="session")
-def llama_perplexity(llama_src) -> Path:
+def llama_perplexity(llama_build) -> Path:
     exe = _TOOLS / "build" / "bin" / "llama-perplexity"
     if not exe.is_file():
-        src = llama_src / "vendor" / "llama.cpp"
-        if not (src / "tools" / "perplexity" / "perplexity.cpp").is_file():
-            pytest.skip(f"{src} lacks tools/perplexity; set FLE_LLAMA_SRC to a full llama-cpp-python sdist")
-        if not shutil.which("cmake") or not (shutil.which("c++") or shutil.which("g++")):
-            pytest.skip("building llama-perplexity needs cmake and a C++ compiler")
-        _TOOLS.mkdir(parents=True, exist_ok=True)
-        _build(src, _TOOLS / "build")
+        llama_build("llama-perplexity")
         if not exe.is_file():
             pytest.skip(f"the build did not produce {exe}")
     return exe
