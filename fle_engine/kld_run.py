@@ -13,7 +13,6 @@ and the logits at positions ``n_ctx // 2 .. n_ctx - 2`` are scored.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -21,6 +20,7 @@ import torch
 
 from fle_quant import kld
 from fle_quant.errors import FleError
+from fle_quant.textio import read_text_file
 
 from .loader import Model, load
 from .tokenizer import Tokenizer
@@ -33,15 +33,7 @@ Log = Callable[[str], None]
 def read_text(path: "str | os.PathLike[str]") -> str:
     """A text file as llama.cpp's ``-f`` reads it: raw bytes as UTF-8, one
     trailing newline removed."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise FleError(f"{path}: cannot read ({e.strerror}); pass an existing text file") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FleError(f"{path}: not UTF-8 text (byte {e.start}); convert the file to UTF-8") from None
+    text = read_text_file(path, "text file")
     return text[:-1] if text.endswith("\n") else text
 
 

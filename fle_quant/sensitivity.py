@@ -71,7 +71,7 @@ import numpy as np
 
 from . import __version__
 from .errors import FleError
-from .textio import write_json_atomic
+from .textio import read_text_file, write_json_atomic
 from .gguf_format import pad
 from .gguf_reader import GGUFModel, TensorInfo
 from .select import TABLE_FORMAT, parse_table
@@ -131,19 +131,7 @@ def read_tokens(model: "GGUFModel | str | os.PathLike[str]", text_path: "str | o
     if n_tokens < 1:
         raise FleError(f"--tokens must be at least 1, got {n_tokens}")
     label = os.fspath(text_path)
-    try:
-        with open(text_path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise FleError(f"{label}: no such file; give a UTF-8 calibration text") from None
-    except IsADirectoryError:
-        raise FleError(f"{label}: is a directory; give a UTF-8 calibration text file") from None
-    except OSError as e:
-        raise FleError(f"{label}: cannot read it ({e.strerror})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FleError(f"{label}: not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
+    text = read_text_file(text_path, "UTF-8 calibration text")
     if not text.strip():
         raise FleError(f"{label}: the text is empty; give a calibration text")
     tok = Tokenizer.from_gguf(model)

@@ -25,21 +25,38 @@ def _no_duplicate_keys(label: str):
     return hook
 
 
+def read_bytes_file(path: "str | os.PathLike[str]", what: str) -> bytes:
+    """The bytes of a user's input file, or one line saying why not."""
+    label = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise FleError(f"{label}: no such file; give the {what}") from None
+    except IsADirectoryError:
+        raise FleError(f"{label}: is a directory; give the {what}") from None
+    except OSError as e:
+        raise FleError(f"{label}: cannot read it ({e.strerror})") from None
+
+
+def read_text_file(path: "str | os.PathLike[str]", what: str = "UTF-8 text") -> str:
+    """A UTF-8 text file (a calibration or evaluation text), decoded."""
+    raw = read_bytes_file(path, what)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FleError(f"{os.fspath(path)}: not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
+
+
 def read_json_file(path: "str | os.PathLike[str]", what: str, missing_hint: str | None = None) -> tuple[Any, bytes]:
     """Decode a UTF-8 JSON file whose objects have no repeated keys; returns
     the object and the raw bytes (for hashing). ``what`` names the file's
     role in messages ("sensitivity table"); ``missing_hint`` replaces the
     default advice when the file does not exist."""
     label = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise FleError(f"{label}: no such file; {missing_hint or f'give the {what} JSON file'}") from None
-    except IsADirectoryError:
-        raise FleError(f"{label}: is a directory, expected a {what} JSON file") from None
-    except OSError as e:
-        raise FleError(f"{label}: cannot read it ({e.strerror})") from None
+    if missing_hint and not os.path.lexists(path):
+        raise FleError(f"{label}: no such file; {missing_hint}")
+    raw = read_bytes_file(path, f"{what} JSON file")
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(label))
     except UnicodeDecodeError:
