@@ -158,11 +158,18 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    """Embedding -> blocks -> RMSNorm -> head. Architectures with the same
+    skeleton (qwen3next) subclass it and set ``Args``, ``Block`` and
+    ``new_state``."""
+
+    Args = ModelArgs
+    Block = Block
+
     def __init__(self, w: Weights, a: ModelArgs):
         super().__init__()
         self.args = a
         self.tok_embd = param(w.get("token_embd.weight", (a.n_vocab, a.n_embd)))
-        self.layers = nn.ModuleList(Block(w, il, a) for il in range(a.n_layer))
+        self.layers = nn.ModuleList(self.Block(w, il, a) for il in range(a.n_layer))
         self.output_norm = param(w.get("output_norm.weight", (a.n_embd,)))
         # a file without output.weight ties the head to the embedding, as llama.cpp does
         head = "output.weight" if w.has("output.weight") else "token_embd.weight"
@@ -170,7 +177,7 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_weights(cls, w: Weights) -> "Transformer":
-        return cls(w, ModelArgs.from_weights(w))
+        return cls(w, cls.Args.from_weights(w))
 
     @property
     def device(self) -> torch.device:

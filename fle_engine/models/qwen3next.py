@@ -32,7 +32,8 @@ from fle_quant.errors import FleError
 
 from .. import layers as L
 from ..loader import Weights
-from .qwen3moe import advance, load_moe, load_qkv, new_state, param, rope_freq_scale
+from . import qwen3moe
+from .qwen3moe import load_moe, load_qkv, new_state, param, rope_freq_scale
 
 ARCH = "qwen3next"
 
@@ -224,23 +225,9 @@ class Block(nn.Module):
         return x + self.moe(L.rms_norm(x, self.post_norm, self.eps))
 
 
-class Transformer(nn.Module):
-    def __init__(self, w: Weights, a: ModelArgs):
-        super().__init__()
-        self.args = a
-        self.tok_embd = param(w.get("token_embd.weight", (a.n_vocab, a.n_embd)))
-        self.layers = nn.ModuleList(Block(w, il, a) for il in range(a.n_layer))
-        self.output_norm = param(w.get("output_norm.weight", (a.n_embd,)))
-        head = "output.weight" if w.has("output.weight") else "token_embd.weight"
-        self.output = param(w.get(head, (a.n_vocab, a.n_embd)))
-
-    @classmethod
-    def from_weights(cls, w: Weights) -> "Transformer":
-        return cls(w, ModelArgs.from_weights(w))
-
-    @property
-    def device(self) -> torch.device:
-        return self.tok_embd.device
+class Transformer(qwen3moe.Transformer):
+    Args = ModelArgs
+    Block = Block
 
     def new_state(self, max_tokens: int) -> L.State:
         a, dev, dt = self.args, self.device, self.tok_embd.dtype
@@ -255,9 +242,3 @@ class Transformer(nn.Module):
                                           torch.zeros(a.n_head_kv, max_tokens, a.head_dim, dtype=dt, device=dev)))
         return new_state(max_tokens, caches, a.n_rot, a.rope_base, a.rope_freq_scale, dev)
 
-    def forward(self, tokens: Tensor, state: L.State) -> Tensor:
-        positions, cos, sin = advance(state, tokens.shape[0])
-        x = F.embedding(tokens, self.tok_embd)
-        for layer, cache in zip(self.layers, state.layers):
-            x = layer(x, cache, positions, cos, sin)
-        return F.linear(L.rms_norm(x, self.output_norm, self.args.eps), self.output)
