@@ -17,6 +17,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run, so that a test run (and
+# CI) is reproducible; `pytest --hypothesis-profile=explore` draws new ones.
+settings.register_profile("fle", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("fle")
 
 LLAMA_CPP_PYTHON = "0.3.36"
 _CACHE = Path(os.environ.get("FLE_CACHE_DIR", Path.home() / ".cache" / "fle")) / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
