@@ -88,7 +88,7 @@ def load_moe(w: Weights, il: int, n_embd: int, n_expert: int, n_used: int, n_ff:
              shared: bool = False, n_ff_shexp: int = 0) -> L.MoE:
     """Router and stacked experts of layer ``il`` (a fused
     ``ffn_gate_up_exps``, gate rows first, is split), and the shared expert
-    with its scalar gate when ``shared``."""
+    with its sigmoid gate row (when the file has one) when ``shared``."""
     p = f"blk.{il}."
     router = w.get(p + "ffn_gate_inp.weight", (n_expert, n_embd))
     if w.has(p + "ffn_gate_up_exps.weight"):
@@ -104,7 +104,13 @@ def load_moe(w: Weights, il: int, n_embd: int, n_expert: int, n_used: int, n_ff:
         shexp = (w.get(p + "ffn_gate_shexp.weight", (n_ff_shexp, n_embd)),
                  w.get(p + "ffn_up_shexp.weight", (n_ff_shexp, n_embd)),
                  w.get(p + "ffn_down_shexp.weight", (n_embd, n_ff_shexp)))
-        sgate = w.get(p + "ffn_gate_inp_shexp.weight", (n_embd,)) if w.has(p + "ffn_gate_inp_shexp.weight") else None
+        if w.has(p + "ffn_gate_inp_shexp.weight"):
+            # one row; converters write it [D] or [D, 1] (ggml order)
+            sgate = w.get(p + "ffn_gate_inp_shexp.weight")
+            if sgate.numel() != n_embd:
+                raise FleError(f"{w.path}: {p}ffn_gate_inp_shexp.weight has {sgate.numel()} values, "
+                               f"expected {n_embd}")
+            sgate = sgate.reshape(n_embd).contiguous()
     return L.MoE(il, router, gate, up, down, n_used, scale, shexp, sgate)
 
 

@@ -47,6 +47,7 @@ from fle_quant.errors import FleError
 
 from .. import layers as L
 from ..loader import Weights
+from . import qwen3moe
 from .qwen3moe import advance, load_qkv, param, rope_freq_scale
 
 ARCH = "qwen4exp"
@@ -271,28 +272,9 @@ def hc_write(res: Tensor, out: Tensor, weights: Tensor, plain: bool) -> Tensor:
 
 
 def load_moe(w: Weights, il: int, a: ModelArgs) -> L.MoE:
-    """Router, stacked experts and the sigmoid-gated shared expert of block
-    ``il``. The shared-expert gate is one row; converters write it [D] or
-    [D, 1] (ggml order), both accepted."""
-    p = f"blk.{il}."
-    d, e, f = a.n_embd, a.n_expert, a.n_ff_exp
-    router = w.get(p + "ffn_gate_inp.weight", (e, d))
-    if w.has(p + "ffn_gate_up_exps.weight"):
-        gate_up = w.get(p + "ffn_gate_up_exps.weight", (e, 2 * f, d))
-        gate, up = gate_up[:, :f].contiguous(), gate_up[:, f:].contiguous()
-        del gate_up
-    else:
-        gate = w.get(p + "ffn_gate_exps.weight", (e, f, d))
-        up = w.get(p + "ffn_up_exps.weight", (e, f, d))
-    down = w.get(p + "ffn_down_exps.weight", (e, d, f))
-    fs = a.n_ff_shexp
-    shared = (w.get(p + "ffn_gate_shexp.weight", (fs, d)), w.get(p + "ffn_up_shexp.weight", (fs, d)),
-              w.get(p + "ffn_down_shexp.weight", (d, fs)))
-    sgate = w.get(p + "ffn_gate_inp_shexp.weight")
-    if sgate.numel() != d:
-        raise FleError(f"{w.path}: {p}ffn_gate_inp_shexp.weight has {sgate.numel()} values, expected {d}")
-    return L.MoE(il, router, gate, up, down, a.n_expert_used, a.expert_weights_scale, shared,
-                 sgate.reshape(d).contiguous())
+    """Router, stacked experts and the sigmoid-gated shared expert of block ``il``."""
+    return qwen3moe.load_moe(w, il, a.n_embd, a.n_expert, a.n_expert_used, a.n_ff_exp, a.expert_weights_scale,
+                             shared=True, n_ff_shexp=a.n_ff_shexp)
 
 
 def dilated_causal_conv(x: Tensor, history: Tensor, weight: Tensor, dilation: int) -> tuple[Tensor, Tensor]:
@@ -322,7 +304,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, w: Weights, il: int, a: ModelArgs):
         super().__init__()
         p = f"blk.{il}."
-        dk, nk, nv = a.d_state, a.n_k_heads, a.n_v_heads
+        dk, nv = a.d_state, a.n_v_heads
         self.wqkv = param(w.get(p + "attn_qkv.weight", (a.conv_dim, a.n_embd)))
         self.wz = param(w.get(p + "attn_gate.weight", (dk * nv, a.n_embd)))
         self.wb = param(w.get(p + "ssm_beta.weight", (nv, a.n_embd)))
