@@ -101,14 +101,17 @@ def normalize_messages(messages: Sequence[dict]) -> list[dict]:
 
 
 def apply_chat_template(template: str, messages: Sequence[dict], add_generation_prompt: bool = True, *,
-                        tools: Sequence[dict] | None = None, enable_thinking: bool | None = None,
+                        tools: Sequence[dict] | None = None, enable_thinking: bool | None = True,
                         bos_token: str = "", eos_token: str = "", **kwargs: Any) -> str:
     """Render ``template`` for ``messages``.
 
     Messages are first normalized as llama.cpp does (:func:`normalize_messages`).
-    ``enable_thinking`` is passed to the template only when not None, so that
-    templates testing ``enable_thinking is defined`` see their default (as in
-    transformers; llama.cpp always passes it, true unless asked otherwise).
+    ``enable_thinking`` defaults to true and is always passed, as llama.cpp
+    does (``common_chat_templates_inputs``); None leaves it undefined, as
+    transformers and llama-cpp-python's Python formatter do, so that templates
+    testing ``enable_thinking is defined`` see their own default. The two
+    differ for templates that test ``not enable_thinking`` (QwQ,
+    DeepSeek-R1-Distill-Qwen): undefined closes the think block.
     Further ``kwargs`` become template variables (e.g. ``add_vision_id``).
     """
     if not isinstance(template, str) or not template:

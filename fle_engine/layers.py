@@ -362,10 +362,18 @@ class State:
     by each forward (so a captured decode step reads it without a host
     sync). ``length`` is the same count kept on the host for bounds checks.
     ``layers[il]`` is an :class:`AttnCache` or a :class:`GDNState`.
-    ``rope_cos``/``rope_sin`` [P, n_rot/2]: the rotary table for every slot."""
+    ``rope_cos``/``rope_sin`` [P, n_rot/2]: the rotary table for every slot.
+    After each forward: ``hidden`` (the hidden states an MTP head reads),
+    ``last_tokens`` and ``last_logits`` of that call's tokens; ``mtp``: the
+    MTP head's own state when the model has one loaded
+    (:class:`fle_engine.mtp.MTPState`)."""
     max_tokens: int
     pos: Tensor
     layers: list
     rope_cos: Tensor
     rope_sin: Tensor
     length: int = 0
+    hidden: Tensor | None = None
+    last_tokens: Tensor | None = None
+    last_logits: Tensor | None = None
+    mtp: object = None

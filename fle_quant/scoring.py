@@ -23,14 +23,13 @@ Scores, higher = more important, 0 for an expert no token was routed to:
 Only per-layer sums of ``n_expert`` numbers are kept, so memory does not grow
 with the token count.
 
-MTP blocks. When FLE's forward pass runs the model's MTP head (qwen4exp:
-the head inside the model file, or a separate head file given as
-``mtp_head``), the head is run after each window on the trunk's last
-residuals paired with the next tokens (``ctx - 1`` pairs per window) and its
-MoE layer is scored under its block index, which is where ``fle-reap prune``
-(also with ``--mtp-head``) looks for it. For a model whose MTP block FLE's
-forward pass does not run (qwen3next), the block is not scored and the
-table's ``info.mtp`` says so; such a file cannot be pruned with this table.
+MTP blocks (qwen3next, qwen4exp: the head inside the model file, or a
+separate head file given as ``mtp_head``): the head is run after each window
+on the trunk's hidden states paired with the next tokens (``ctx - 1`` pairs
+per window) and its MoE layer is scored under its block index, which is
+where ``fle-reap prune`` (also with ``--mtp-head``) looks for it. Should a
+file declare an MTP block that FLE's forward pass does not run, the table's
+``info.mtp`` says so, and such a file cannot be pruned with that table.
 """
 from __future__ import annotations
 
@@ -114,19 +113,13 @@ def scores_from_stats(stats: dict[int, ExpertStats], method: str) -> dict[int, n
 
 
 def _run_mtp_head(net, window, state) -> None:
-    """Run the MTP head over the window's (trunk residual, next token)
+    """Run the MTP head over the window's (trunk hidden state, next token)
     pairs from a fresh head cache; the capture sees its MoE call."""
-    import torch
+    from fle_engine.mtp import head_logits
 
-    n = len(window)
-    if n < 2 or getattr(state, "hidden", None) is None:
+    if len(window) < 2 or getattr(state, "hidden", None) is None:
         return
-    head = net.mtp
-    cache = head.new_state(n).cache
-    hidden = state.hidden[:-1]
-    nxt = torch.as_tensor(window[1:], dtype=torch.long, device=hidden.device)
-    positions = torch.arange(n - 1, device=hidden.device)
-    head(hidden, nxt, cache, positions, state.rope_cos, state.rope_sin)
+    head_logits(net, state, state.hidden[:-1], window[1:])
 
 
 def expert_stats(model_path: "str | os.PathLike[str]", tokens, ctx: int = DEFAULT_CTX, *,

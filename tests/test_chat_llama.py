@@ -21,10 +21,11 @@ follows llama.cpp, the test asserts equality:
 
 * llama.cpp has no "unset" ``enable_thinking``: ``common_chat_templates_inputs``
   holds a bool defaulting to true and ``common_chat_template_direct_apply_impl``
-  always passes it to the template (common/chat.h, common/chat.cpp). FLE
-  leaves it undefined when None, as HF transformers does. Templates that test
-  ``not enable_thinking`` (QwQ, DeepSeek-R1-Distill-Qwen) close the think
-  block for an undefined value and leave it open for true.
+  always passes it to the template (common/chat.h, common/chat.cpp). FLE's
+  default is the same (true, passed); FLE's explicit None leaves it undefined
+  (transformers' behaviour), which closes the think block in templates that
+  test ``not enable_thinking`` (QwQ, DeepSeek-R1-Distill-Qwen): asserted
+  below as the one intended difference.
 * llama.cpp rewrites messages before rendering (common/chat.cpp:
   ``common_chat_msg::to_json_oaicompat`` gives every message a ``content``,
   "" when absent; ``workaround::func_args_not_string`` parses tool-call
@@ -152,9 +153,9 @@ CONVERSATIONS = {
 }
 
 # templates whose text tests ``not enable_thinking``: for an undefined value
-# (FLE's None) they close the think block, for llama.cpp's default true they
-# leave it open; the templates' lines are quoted
-UNSET_THINKING_DIFFERS = {
+# (FLE's explicit None) they close the think block, for llama.cpp's default
+# true they leave it open; the templates' lines are quoted
+UNDEFINED_THINKING_DIFFERS = {
     "Qwen-QwQ-32B.jinja": "{%- if not enable_thinking -%}{{- '</think>' -}}{%- endif -%}",
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "{% if not enable_thinking %}{{- '</think>' -}}{% endif %}",
 }
@@ -192,24 +193,26 @@ def test_templates_match_llama_cpp(llama_chat_render, llama_models, qwen_bos_eos
             for thinking in (False, True, None):
                 ref[thinking] = llama_render(llama_chat_render, template, messages, gen, tools=tools,
                                              enable_thinking=thinking, bos=bos, eos=eos)
-                got[thinking] = apply_chat_template(template, messages, gen, tools=tools, enable_thinking=thinking,
-                                                    bos_token=bos, eos_token=eos)
+                extra = {} if thinking is None else {"enable_thinking": thinking}  # None: FLE's default
+                got[thinking] = apply_chat_template(template, messages, gen, tools=tools, bos_token=bos,
+                                                    eos_token=eos, **extra)
             where = f"{path.name} {conversation} gen={gen}"
-            assert got[False] == ref[False], where
-            assert got[True] == ref[True], where
+            assert got == ref, where
             # llama.cpp's unset is its default, true
             assert ref[None] == ref[True], where
-            if got[None] != ref[None]:
+            undefined = apply_chat_template(template, messages, gen, tools=tools, enable_thinking=None,
+                                            bos_token=bos, eos_token=eos)
+            if undefined != ref[None]:
                 # only in a generation prompt, only for the templates listed, and
-                # exactly as if FLE's undefined were false
-                assert gen and UNSET_THINKING_DIFFERS.get(path.name, "<unlisted>") in template, where
-                assert got[None] == got[False], where
+                # exactly as if the undefined value were false
+                assert gen and UNDEFINED_THINKING_DIFFERS.get(path.name, "<unlisted>") in template, where
+                assert undefined == got[False], where
                 differs.add(path.name)
             for m in messages:
                 if m["role"] in ("system", "user"):
                     assert m["content"] in ref[True], where
     if conversation == "user_only":
-        listed = {p.name for p in _qwen_templates(llama_models)} & set(UNSET_THINKING_DIFFERS)
+        listed = {p.name for p in _qwen_templates(llama_models)} & set(UNDEFINED_THINKING_DIFFERS)
         assert differs == listed
 
 

@@ -196,8 +196,9 @@ def test_score_then_prune_cli(files, tmp_path, capsys):
     assert "Same top p" in out
 
 
-def test_mtp_head_scored_under_its_block(tmp_path):
-    trunk = make_model(tmp_path / "q4.gguf", "qwen4exp", seed=SEED, mix="f32", mtp="separate")
+@pytest.mark.parametrize("arch", ["qwen4exp", "qwen3next"])
+def test_mtp_head_scored_under_its_block(tmp_path, arch):
+    trunk = make_model(tmp_path / "m.gguf", arch, seed=SEED, mix="f32", mtp="separate")
     text = write_text(tmp_path / "t.txt", 300, 2)
     table = score(trunk, text, method="reap", n_tokens=48, ctx=24, mtp_head=mtp_path(trunk))
     parsed = parse_scores(table)
@@ -209,6 +210,28 @@ def test_mtp_head_scored_under_its_block(tmp_path):
     # without the head the block is missing
     plain = score(trunk, text, method="frequency", n_tokens=24, ctx=24)
     assert str(n_layer) not in plain["layers"] and plain["info"]["mtp"] == "none"
+
+
+def test_qwen3next_mtp_inside_scored_and_pruned(tmp_path):
+    """A qwen3next file with its MTP block inside: the block is scored with
+    the trunk, pruned with it, and the pruned file's head runs."""
+    import fle_engine
+    from fle_engine.mtp import head_logits
+
+    model = make_model(tmp_path / "m.gguf", "qwen3next", seed=SEED, mix="f32", mtp="inside")
+    text = write_text(tmp_path / "t.txt", 300, 3)
+    table = score(model, text, method="reap", n_tokens=48, ctx=24)
+    assert table["info"]["mtp"] == "scored (block 4)" and table["info"]["layer_tokens"]["4"] == 2 * 23
+    scores = tmp_path / "s.json"
+    scores.write_text(json.dumps(table))
+    out = tmp_path / "p.gguf"
+    assert reap_main(["prune", str(model), "--scores", str(scores), "--keep", "6", "-o", str(out)]) == 0
+    pruned = fle_engine.load(out)
+    assert pruned.args.n_expert == 6 and pruned.net.mtp is not None and pruned.net.mtp.moe.n_expert == 6
+    toks = list(range(1, 17))
+    st = pruned.new_state(16)
+    pruned.forward(toks, st)
+    assert torch.isfinite(head_logits(pruned, st, st.hidden[:-1], toks[1:])).all()
 
 
 # ---------------------------------------------------------------------------

@@ -292,7 +292,8 @@ def test_chat_environment():
     assert apply_chat_template("{{ x | tojson(indent=2) }}", [], x=[1]) == "[\n  1\n]"
     assert apply_chat_template("{% generation %}a{% endgeneration %}b", []) == "ab"
     assert apply_chat_template("{% for i in [1,2,3] %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}", []) == "1"
-    assert apply_chat_template("{{ enable_thinking is defined }}", []) == "False"
+    assert apply_chat_template("{{ enable_thinking }}", []) == "True"  # llama.cpp's default
+    assert apply_chat_template("{{ enable_thinking is defined }}", [], enable_thinking=None) == "False"
     assert apply_chat_template("{{ enable_thinking }}", [], enable_thinking=False) == "False"
     assert apply_chat_template("{{ tools is none }}{{ add_generation_prompt }}", [], False) == "TrueFalse"
     assert len(apply_chat_template("{{ strftime_now('%Y-%m-%d') }}", [])) == 10
@@ -504,9 +505,11 @@ def test_templates_match_llama_cpp_python(llama_models, qwen_bos_eos, conversati
             formatter = chat_format.Jinja2ChatFormatter(template, eos_token=eos, bos_token=bos,
                                                         add_generation_prompt=gen)
             for thinking in (None, False, True):
+                # llama-cpp-python's formatter leaves an unset value undefined: FLE's None
                 extra = {} if thinking is None else {"enable_thinking": thinking}
                 ref = formatter(messages=messages, tools=tools, **extra).prompt
-                got = apply_chat_template(template, messages, gen, tools=tools, bos_token=bos, eos_token=eos, **extra)
+                got = apply_chat_template(template, messages, gen, tools=tools, bos_token=bos, eos_token=eos,
+                                          enable_thinking=thinking)
                 assert got == ref, f"{path.name} {conversation} gen={gen} thinking={thinking}"
                 for m in messages:
                     if m["role"] in ("system", "user") and m["content"]:

@@ -166,7 +166,8 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Embedding -> blocks -> RMSNorm -> head. Architectures with the same
     skeleton (qwen3next) subclass it and set ``Args``, ``Block`` and
-    ``new_state``."""
+    ``new_state``; those with an MTP head set ``mtp`` (see
+    :mod:`fle_engine.mtp`), which reads the post-norm hidden states."""
 
     Args = ModelArgs
     Block = Block
@@ -180,6 +181,7 @@ class Transformer(nn.Module):
         # a file without output.weight ties the head to the embedding, as llama.cpp does
         head = "output.weight" if w.has("output.weight") else "token_embd.weight"
         self.output = param(w.get(head, (a.n_vocab, a.n_embd)))
+        self.mtp = None
 
     @classmethod
     def from_weights(cls, w: Weights) -> "Transformer":
@@ -194,14 +196,25 @@ class Transformer(nn.Module):
         caches = [L.AttnCache(torch.zeros(a.n_head_kv, max_tokens, a.head_dim, dtype=dt, device=dev),
                               torch.zeros(a.n_head_kv, max_tokens, a.head_dim, dtype=dt, device=dev))
                   for _ in range(a.n_layer)]
-        return new_state(max_tokens, caches, a.n_rot, a.rope_base, a.rope_freq_scale, dev)
+        return self.attach_mtp(new_state(max_tokens, caches, a.n_rot, a.rope_base, a.rope_freq_scale, dev))
+
+    def attach_mtp(self, state: L.State) -> L.State:
+        """``state`` with the MTP head's own state when a head is loaded."""
+        if self.mtp is not None:
+            state.mtp = self.mtp.new_state(state.max_tokens)
+        return state
 
     def forward(self, tokens: Tensor, state: L.State) -> Tensor:
         positions, cos, sin = advance(state, tokens.shape[0])
         x = F.embedding(tokens, self.tok_embd)
         for layer, cache in zip(self.layers, state.layers):
             x = layer(x, cache, positions, cos, sin)
-        return F.linear(L.rms_norm(x, self.output_norm, self.args.eps), self.output)
+        h = L.rms_norm(x, self.output_norm, self.args.eps)
+        logits = F.linear(h, self.output)
+        state.hidden, state.last_tokens, state.last_logits = h, tokens, logits
+        if state.mtp is not None:
+            state.mtp.push(h, tokens)
+        return logits
 
 
 def new_state(max_tokens: int, caches: list, n_rot: int, base: float, freq_scale: float,

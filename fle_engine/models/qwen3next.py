@@ -229,6 +229,25 @@ class Transformer(qwen3moe.Transformer):
     Args = ModelArgs
     Block = Block
 
+    def __init__(self, w: Weights, a: ModelArgs):
+        super().__init__(w, a)
+        if int(w.hp("nextn_predict_layers", 0)) and w.has(f"blk.{a.n_layer}.nextn.eh_proj.weight"):
+            from .qwen3next_mtp import MTPHead   # the head in the trunk file (block_count = N + 1)
+
+            self.mtp = MTPHead(w, a, self)
+
+    def load_mtp(self, path):
+        """Attach the MTP head of ``path``; see :func:`.qwen3next_mtp.load_mtp`."""
+        from .qwen3next_mtp import load_mtp
+
+        return load_mtp(self, path)
+
+    def draft(self, state: L.State) -> tuple[Tensor, Tensor]:
+        """(draft token [1], logits [V]); see :func:`fle_engine.mtp.draft`."""
+        from ..mtp import draft
+
+        return draft(self, state)
+
     def new_state(self, max_tokens: int) -> L.State:
         a, dev, dt = self.args, self.device, self.tok_embd.dtype
         caches = []
@@ -240,5 +259,5 @@ class Transformer(qwen3moe.Transformer):
             else:
                 caches.append(L.AttnCache(torch.zeros(a.n_head_kv, max_tokens, a.head_dim, dtype=dt, device=dev),
                                           torch.zeros(a.n_head_kv, max_tokens, a.head_dim, dtype=dt, device=dev)))
-        return new_state(max_tokens, caches, a.n_rot, a.rope_base, a.rope_freq_scale, dev)
+        return self.attach_mtp(new_state(max_tokens, caches, a.n_rot, a.rope_base, a.rope_freq_scale, dev))
 

@@ -218,15 +218,10 @@ class PLEState:
 
 @dataclass
 class State(L.State):
-    """:class:`fle_engine.layers.State` plus the PLE history, the wide
-    residual of the last call's tokens (``hidden`` [T, S, D], what the MTP
-    head reads) and its logits (``last_logits`` [T, V]), and the MTP head's
-    own state when one is loaded (:class:`~fle_engine.models.qwen4exp_mtp.MTPState`)."""
+    """:class:`fle_engine.layers.State` plus the PLE history; ``hidden`` is
+    the wide residual [T, S, D] of the last call's tokens, what the MTP head
+    reads."""
     ple: PLEState | None = None
-    hidden: Tensor | None = None
-    last_tokens: Tensor | None = None
-    last_logits: Tensor | None = None
-    mtp: object = None
 
 
 # ---------------------------------------------------------------------------
@@ -574,8 +569,8 @@ class Transformer(nn.Module):
         return load_mtp(self, path)
 
     def draft(self, state: "State") -> tuple[Tensor, Tensor]:
-        """(draft token [1], logits [V]); see :func:`.qwen4exp_mtp.draft`."""
-        from .qwen4exp_mtp import draft
+        """(draft token [1], logits [V]); see :func:`fle_engine.mtp.draft`."""
+        from ..mtp import draft
 
         return draft(self, state)
 

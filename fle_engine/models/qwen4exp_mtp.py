@@ -27,36 +27,21 @@ its KV cell is rewritten on the next draft, once the real token is known.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fle_quant.errors import FleError
-from fle_quant.gguf_reader import GGUFModel
 
 from .. import layers as L
 from ..loader import Weights
+from ..mtp import MTPState, draft, open_head_file
 from .qwen3moe import param
 from .qwen4exp import HCMixer, ModelArgs, QSACache, QSAttention, grouped_rms, hc_write, load_moe
 
 __all__ = ["MTPHead", "MTPState", "load_mtp", "draft"]
-
-
-@dataclass
-class MTPState:
-    """The head's KV cache (``cache``), how many positions it has settled
-    (``pos``, host int) and the trunk residuals and tokens it has not yet
-    consumed (positions ``pos`` .. trunk length - 1)."""
-    cache: QSACache
-    pos: int = 0
-    queue_h: list = field(default_factory=list)
-    queue_tok: list = field(default_factory=list)
-
-    def push(self, hidden: Tensor, tokens: Tensor) -> None:
-        self.queue_h.append(hidden)
-        self.queue_tok.append(tokens)
 
 
 class MTPHead(nn.Module):
@@ -103,7 +88,7 @@ class MTPHead(nn.Module):
 def _trunk(model):
     net = getattr(model, "net", model)
     if getattr(getattr(net, "args", None), "arch", None) != "qwen4exp":
-        raise FleError("MTP drafting is implemented for qwen4exp models only")
+        raise FleError("this MTP head is for qwen4exp models")
     return net
 
 
@@ -114,21 +99,10 @@ def load_mtp(model, path: "str | os.PathLike[str]") -> MTPHead:
     this carry the head's cache."""
     net = _trunk(model)
     a = net.args
-    gguf = GGUFModel.open(path)
+    gguf, w = open_head_file(path, a.arch, a.n_layer, net.device, net.tok_embd.dtype,
+                             {"embedding_length": a.n_embd, "hyper_connection.count": a.hc,
+                              "expert_count": a.n_expert, "attention.head_count": a.n_head})
     try:
-        w = Weights(gguf, net.device, net.tok_embd.dtype)
-        if gguf.arch != a.arch:
-            raise FleError(f"{w.path}: architecture {gguf.arch!r}, the trunk is {a.arch!r}")
-        n_all, n_mtp = int(w.hp("block_count")), int(w.hp("nextn_predict_layers", 0))
-        if n_mtp < 1 or n_all - n_mtp != a.n_layer:
-            raise FleError(f"{w.path}: block_count {n_all} with nextn_predict_layers {n_mtp} does not describe an "
-                           f"MTP block after the trunk's {a.n_layer} layers")
-        for key, want in (("embedding_length", a.n_embd), ("hyper_connection.count", a.hc),
-                          ("expert_count", a.n_expert), ("attention.head_count", a.n_head)):
-            if int(w.hp(key)) != want:
-                raise FleError(f"{w.path}: {key} = {w.hp(key)}, the trunk has {want}; not this model's head")
-        if not w.has(f"blk.{a.n_layer}.nextn.eh_proj.weight"):
-            raise FleError(f"{w.path}: no blk.{a.n_layer}.nextn.eh_proj.weight; not an MTP head for this trunk")
         compress = [int(c) for c in w.hp("attention.compress_ratios", [])]
         head_ratio = compress[a.n_layer] if len(compress) > a.n_layer else 0
         head = MTPHead(w, replace(a, compress=a.compress[:a.n_layer] + (head_ratio,)), net.tok_embd, net.output)
@@ -137,28 +111,3 @@ def load_mtp(model, path: "str | os.PathLike[str]") -> MTPHead:
     head.eval()
     net.mtp = head
     return head
-
-
-def draft(model, state) -> tuple[Tensor, Tensor]:
-    """(draft token [1] int64, its logits [V]) for the position after the
-    trunk's greedy next token. ``state`` must come from ``new_state`` after
-    the head was loaded, and the trunk must have run on it; drafting twice
-    without a trunk step in between gives the same draft."""
-    net = _trunk(model)
-    head, mtp = net.mtp, state.mtp
-    if head is None or mtp is None:
-        raise FleError("no MTP head: call load_mtp(model, path) before making the state")
-    if not mtp.queue_h:
-        raise FleError("draft needs the trunk to have processed at least one token of this state")
-    with torch.inference_mode():
-        hidden = torch.cat(mtp.queue_h)                                  # [n, S, D]
-        tokens = torch.cat(mtp.queue_tok)                                # [n]
-        n = tokens.shape[0]
-        greedy = state.last_logits[-1:].argmax(-1)                       # the trunk's next token, on the device
-        nxt = torch.cat([tokens[1:], greedy])
-        positions = torch.arange(mtp.pos, mtp.pos + n, device=hidden.device)
-        logits = head(hidden, nxt, mtp.cache, positions, state.rope_cos, state.rope_sin)[-1]
-    # the last pair used a guessed token: keep it queued, to redo once the real one is known
-    mtp.queue_h, mtp.queue_tok = [hidden[-1:]], [tokens[-1:]]
-    mtp.pos += n - 1
-    return logits.argmax(-1, keepdim=True), logits

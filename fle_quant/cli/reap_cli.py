@@ -106,9 +106,9 @@ An expert no token was routed to scores 0. The text is tokenized with the
 model's own tokenizer; its first --tokens tokens run in windows of --ctx, each
 from an empty state. The model is held in memory as float32 on --device.
 
-An MTP block is scored (under its block index) when FLE's forward pass runs it:
-a qwen4exp head inside the model or given as --mtp-head. Otherwise the table's
-info.mtp says it was not scored.
+An MTP block (qwen3next, qwen4exp) is scored under its block index: a head
+inside the model, or one given as --mtp-head. The table's info.mtp says
+whether it was.
 
 examples:
   fle-reap score model.gguf --text wiki.txt --tokens 4096 -o scores.json

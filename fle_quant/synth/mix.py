@@ -13,9 +13,11 @@ either. Presets:
 - ``"q8_0"``: every matrix Q8_0 except the router (llama.cpp never
   quantizes ``ffn_gate_inp``).
 - ``"release"``: shaped like the public releases: routed experts IQ4_XS with
-  gate/up in IQ3_S on odd layers, output and the token mixer's output
-  projections Q6_K, the n-gram table IQ4_NL, other matrices Q8_0, routers,
-  HC inject rows and every norm F32.
+  gate/up in IQ3_S on odd layers, ``output`` Q6_K, the n-gram table IQ4_NL,
+  every other matrix (attention, GDN, shared expert, MTP) Q8_0 -- the
+  releases keep their dense weights at Q8_0 (the report tried Q6_K dense
+  weights as a variant and Q5_0 as a failed one) -- routers, HC inject rows
+  and every norm F32.
 """
 from __future__ import annotations
 
@@ -41,7 +43,6 @@ PRESETS: dict[str, list[tuple[str, str]]] = {
         (r"\.ffn_(gate|up|down)_exps\.weight$", "IQ4_XS"),
         (r"^per_layer_token_embd\.weight$", "IQ4_NL"),
         (r"^output\.weight$", "Q6_K"),
-        (r"\.(attn_output|ssm_out)\.weight$", "Q6_K"),
         (r".", "Q8_0"),
     ],
 }
