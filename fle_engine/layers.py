@@ -105,6 +105,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cache: AttnCache, positions: Tens
 # feed-forward and MoE
 
 
+def embedding(idx: Tensor, table) -> Tensor:
+    """``F.embedding`` for a resident table, or the looked-up rows of a
+    :class:`~fle_engine.quantized.QuantRows` left in the file."""
+    return F.embedding(idx, table) if isinstance(table, Tensor) else table.lookup(idx)
+
+
 def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """down(silu(gate x) * up x); weights in [out, in] (nn.Linear) layout."""
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
@@ -158,7 +164,13 @@ class MoE(nn.Module):
       small reference models.
 
     ``mode = "auto"`` gathers when T * K <= E (no more expert matrices read
-    than the dense form reads), else runs dense."""
+    than the dense form reads), else runs dense.
+
+    Experts may instead be :class:`~fle_engine.quantized.QuantExperts`
+    (left quantized in the file, for models larger than memory): then every
+    call runs ``"stream"``, which dequantizes only the experts the call
+    routes to, one at a time, and syncs with the host to list them (so it is
+    not for CUDA graphs)."""
 
     def __init__(self, layer: int, router: Tensor, gate_exps: Tensor, up_exps: Tensor, down_exps: Tensor,
                  n_used: int, weights_scale: float = 0.0, shared: tuple[Tensor, Tensor, Tensor] | None = None,
@@ -166,9 +178,13 @@ class MoE(nn.Module):
         super().__init__()
         self.layer = layer
         self.router = nn.Parameter(router, requires_grad=False)          # [E, D]
-        self.gate_exps = nn.Parameter(gate_exps, requires_grad=False)    # [E, F, D]
-        self.up_exps = nn.Parameter(up_exps, requires_grad=False)        # [E, F, D]
-        self.down_exps = nn.Parameter(down_exps, requires_grad=False)    # [E, D, F]
+        self.streamed = not isinstance(gate_exps, Tensor)
+        if self.streamed:                                                # QuantExperts, dequantized per call
+            self.gate_exps, self.up_exps, self.down_exps = gate_exps, up_exps, down_exps
+        else:
+            self.gate_exps = nn.Parameter(gate_exps, requires_grad=False)    # [E, F, D]
+            self.up_exps = nn.Parameter(up_exps, requires_grad=False)        # [E, F, D]
+            self.down_exps = nn.Parameter(down_exps, requires_grad=False)    # [E, D, F]
         self.n_used = int(n_used)
         self.weights_scale = float(weights_scale)
         if shared is not None:
@@ -208,6 +224,18 @@ class MoE(nn.Module):
         h = F.silu(torch.matmul(x, self.gate_exps.transpose(1, 2))) * torch.matmul(x, self.up_exps.transpose(1, 2))
         return torch.matmul(h, self.down_exps.transpose(1, 2))          # [E, T, D]
 
+    def experts_stream(self, x: Tensor, experts: Tensor) -> Tensor:
+        """Outputs of the chosen experts, [T, K, D], visiting each routed
+        expert once (in index order) with the tokens routed to it."""
+        n_tok, k = experts.shape
+        y = x.new_zeros(n_tok * k, x.shape[1])
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)                        # (token, slot) pairs grouped by expert
+        uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        for e, pairs in zip(uniq.tolist(), torch.split(order, counts.tolist())):
+            y[pairs] = swiglu(x[pairs // k], self.gate_exps.get(e), self.up_exps.get(e), self.down_exps.get(e))
+        return y.view(n_tok, k, x.shape[1])
+
     def shared_expert(self, x: Tensor) -> Tensor:
         out = swiglu(x, self.shexp_gate, self.shexp_up, self.shexp_down)
         if self.shexp_router is not None:
@@ -218,11 +246,11 @@ class MoE(nn.Module):
         n_tok = x.shape[0]
         probs, experts, weights = self.route(x)
         w = weights.to(x.dtype)
-        mode = self.mode
+        mode = "stream" if self.streamed else self.mode
         if mode == "auto":
             mode = "gather" if n_tok * self.n_used <= self.n_expert else "dense"
-        if mode == "gather":
-            y = self.experts_gather(x, experts)                         # [T, K, D]
+        if mode in ("gather", "stream"):
+            y = self.experts_gather(x, experts) if mode == "gather" else self.experts_stream(x, experts)  # [T, K, D]
             out = (w[:, :, None] * y).sum(1)
         elif mode == "dense":
             dense = self.experts_dense(x)                               # [E, T, D]

@@ -22,6 +22,7 @@ from fle_quant.ggml_types import GGMLType
 from fle_quant.gguf_reader import GGUFModel
 
 from .layers import MoE, MoECapture, State
+from .quantized import QuantExperts, QuantRows
 
 __all__ = ["Weights", "Model", "load"]
 
@@ -36,12 +37,14 @@ class Weights:
     ``[n_in, n_out]`` comes back ``[n_out, n_in]`` (nn.Linear's layout) and a
     stacked expert tensor ``[n_in, n_out, E]`` as ``[E, n_out, n_in]``."""
 
-    def __init__(self, gguf: GGUFModel, device: "str | torch.device" = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, gguf: GGUFModel, device: "str | torch.device" = "cpu", dtype: torch.dtype = torch.float32,
+                 stream: bool = False):
         self.gguf = gguf
         self.path = gguf.paths[0]
         self.arch = gguf.arch
         self.device = torch.device(device)
         self.dtype = dtype
+        self.stream = stream    # experts and big tables stay quantized in the file (fle_engine.quantized)
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
@@ -70,6 +73,32 @@ class Weights:
             values = dequantize(raw, info.qtype)
         values = values.reshape(want)
         return torch.from_numpy(values).to(device=self.device, dtype=self.dtype)
+
+    def experts(self, name: str, shape: Sequence[int]):
+        """A stacked expert tensor [E, n_out, n_in]: dequantized, or left in
+        the file as a :class:`~fle_engine.quantized.QuantExperts` when
+        streaming."""
+        if self.stream:
+            return QuantExperts(self.gguf, name, shape, self.device, self.dtype)
+        return self.get(name, shape)
+
+    def experts_split(self, name: str, shape: Sequence[int]):
+        """(gate, up) of a fused gate_up expert tensor (gate rows first),
+        each of ``shape`` [E, F, n_in]."""
+        n_exp, n_ff, n_in = shape
+        if self.stream:
+            return (QuantExperts(self.gguf, name, shape, self.device, self.dtype, rows=(0, n_ff)),
+                    QuantExperts(self.gguf, name, shape, self.device, self.dtype, rows=(n_ff, 2 * n_ff)))
+        both = self.get(name, (n_exp, 2 * n_ff, n_in))
+        return both[:, :n_ff].contiguous(), both[:, n_ff:].contiguous()
+
+    def table(self, name: str):
+        """A lookup table [rows, n] (an embedding): dequantized, or left in
+        the file as a :class:`~fle_engine.quantized.QuantRows` when
+        streaming."""
+        if self.stream:
+            return QuantRows(self.gguf, name, self.device, self.dtype)
+        return torch.nn.Parameter(self.get(name), requires_grad=False)
 
 
 class Model:
@@ -168,20 +197,52 @@ class Model:
         return f"Model({str(self.path)!r}, arch={self.arch!r}, device={self.device})"
 
 
+EXPERT_MODES = ("auto", "resident", "stream")
+
+
+def _streamed_bytes(gguf: GGUFModel, dtype: torch.dtype) -> int:
+    """Bytes the tensors that streaming leaves in the file (routed experts,
+    the PLE table) take when dequantized to ``dtype``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(int(np.prod(t.shape)) * size for t in gguf.tensors.values()
+               if t.name.endswith("_exps.weight") or t.name == "per_layer_token_embd.weight")
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 def load(path: "str | os.PathLike[str]", device: "str | torch.device" = "cpu",
-         dtype: torch.dtype = torch.float32) -> Model:
+         dtype: torch.dtype = torch.float32, experts: str = "auto") -> Model:
     """Load the GGUF model at ``path`` (any shard of a split model) for the
-    reference forward pass on ``device`` in ``dtype``."""
+    reference forward pass on ``device`` in ``dtype``.
+
+    ``experts``: ``"resident"`` dequantizes every tensor now; ``"stream"``
+    leaves the routed experts and the PLE table quantized in the
+    memory-mapped file and dequantizes per call only what the call uses, so
+    that process memory is the dense weights in ``dtype`` plus one expert
+    (a few of its matrices) at a time; ``"auto"`` (default) streams when the
+    resident form of those tensors would exceed half of the device's memory
+    (RAM for the CPU). Streaming syncs with the host in every MoE call: no
+    CUDA graphs."""
     from .models import get_arch
 
+    if experts not in EXPERT_MODES:
+        raise FleError(f"experts must be one of {', '.join(EXPERT_MODES)}, not {experts!r}")
     gguf = GGUFModel.open(path)
     try:
         if gguf.arch is None:
             raise FleError(f"{gguf.paths[0]}: no general.architecture key; not a model file")
         mod = get_arch(gguf.arch, gguf.paths[0])
-        weights = Weights(gguf, device, dtype)
+        device = torch.device(device)
+        stream = experts == "stream" or (
+            experts == "auto" and _streamed_bytes(gguf, dtype) > _memory_bytes(device) // 2)
+        weights = Weights(gguf, device, dtype, stream=stream)
         net = mod.Transformer.from_weights(weights)
     finally:
         gguf.close()
     net.eval()
+    net.streamed = stream
     return Model(net, Path(path))

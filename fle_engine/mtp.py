@@ -99,14 +99,15 @@ def head_logits(model, state, hidden: Tensor, next_tokens) -> Tensor:
         return net.mtp(hidden, nxt, cache, torch.arange(n, device=hidden.device), state.rope_cos, state.rope_sin)
 
 
-def open_head_file(path: "str | os.PathLike[str]", arch: str, n_layer: int, device, dtype,
-                   same: dict[str, int]) -> tuple[GGUFModel, Weights]:
-    """Open ``path`` as an MTP head for a trunk of ``arch`` with ``n_layer``
-    layers: a trunk file holding block N or a head-only file. ``same``: the
+def open_head_file(path: "str | os.PathLike[str]", net, same: dict[str, int]) -> tuple[GGUFModel, Weights]:
+    """Open ``path`` as an MTP head for the trunk ``net``: a trunk file
+    holding block N or a head-only file, read on the trunk's device and
+    dtype, its experts streamed when the trunk's are. ``same``: the
     hyperparameters that must equal the trunk's. The caller closes the file."""
+    arch, n_layer = net.args.arch, net.args.n_layer
     gguf = GGUFModel.open(path)
     try:
-        w = Weights(gguf, device, dtype)
+        w = Weights(gguf, net.device, net.tok_embd.dtype, stream=getattr(net, "streamed", False))
         if gguf.arch != arch:
             raise FleError(f"{w.path}: architecture {gguf.arch!r}, the trunk is {arch!r}")
         n_all, n_mtp = int(w.hp("block_count")), int(w.hp("nextn_predict_layers", 0))

@@ -112,3 +112,51 @@ def llama_build(llama_src):
         return build_dir
 
     return build
+
+
+# link order: dependents first; the group lets the linker revisit them
+LLAMA_COMMON_LIBS = ("common/libllama-common.a", "common/libllama-common-base.a", "src/libllama.a",
+                     "ggml/src/libggml.a", "ggml/src/libggml-cpu.a", "ggml/src/libggml-base.a")
+LLAMA_LIBS = LLAMA_COMMON_LIBS[2:]  # libllama and ggml, without common/
+
+
+@pytest.fixture(scope="session")
+def llama_program(llama_src, llama_build):
+    """``program(source_name, exe_name, common=True) -> Path``: compiles
+    ``tests/<source_name>`` against the static libraries of the
+    ``llama_build`` directory (libllama and ggml, and llama.cpp's common
+    libraries unless ``common`` is false; those missing are built first) and
+    caches the executable there as ``exe_name``, rebuilt when the source or a
+    library is newer. Headers: llama.cpp's ``include``, ``common``,
+    ``vendor``, ``ggml/include`` and ``src`` (its staging API). Skips when no
+    C++ compiler is found or the build lacks a library."""
+    src = llama_src / "vendor" / "llama.cpp"
+    build_dir = LLAMA_TOOLS / "build"
+
+    def program(source_name: str, exe_name: str, common: bool = True) -> Path:
+        cxx = shutil.which("c++") or shutil.which("g++")
+        if not cxx:
+            pytest.skip(f"compiling {source_name} needs a C++ compiler")
+        source = Path(__file__).with_name(source_name)
+        paths = [build_dir / lib for lib in (LLAMA_COMMON_LIBS if common else LLAMA_LIBS)]
+        missing = [p for p in paths if not p.is_file()]
+        if missing:
+            llama_build(*(p.name[len("lib"):-len(".a")] for p in missing))  # lib<target>.a
+            missing = [str(p) for p in paths if not p.is_file()]
+            if missing:
+                pytest.skip(f"the build did not produce {', '.join(missing)}")
+        exe = LLAMA_TOOLS / exe_name
+        newest = max(p.stat().st_mtime for p in [source, *paths])
+        if not exe.is_file() or exe.stat().st_mtime < newest:
+            tmp = exe.with_name(f"{exe.name}.{os.getpid()}.tmp")
+            cmd = [cxx, "-std=c++17", "-O1", str(source), "-o", str(tmp),
+                   *(f"-I{src / d}" for d in ("include", "common", "vendor", "ggml/include", "src")),
+                   "-Wl,--start-group", *map(str, paths), "-Wl,--end-group", "-fopenmp", "-lpthread", "-ldl"]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if r.returncode:
+                tmp.unlink(missing_ok=True)
+                pytest.fail(f"compiling {source_name} failed:\n{r.stderr[-3000:]}")
+            tmp.replace(exe)  # atomic, for concurrent sessions
+        return exe
+
+    return program

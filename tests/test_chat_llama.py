@@ -36,8 +36,6 @@ follows llama.cpp, the test asserts equality:
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -48,43 +46,13 @@ from fle_quant.gguf_reader import GGUFModel
 
 pytestmark = pytest.mark.reference
 
-LLAMA_CPP_PYTHON = "0.3.36"
-_TOOLS = Path(os.environ.get("FLE_CACHE_DIR", Path.home() / ".cache" / "fle")) / f"llama-tools-{LLAMA_CPP_PYTHON}"
-_SOURCE = Path(__file__).with_name("llama_chat_render.cpp")
-# link order: dependents first; the group lets the linker revisit them
-_LIBS = ("common/libllama-common.a", "common/libllama-common-base.a", "src/libllama.a",
-         "ggml/src/libggml.a", "ggml/src/libggml-cpu.a", "ggml/src/libggml-base.a")
-
-
 @pytest.fixture(scope="session")
-def llama_chat_render(llama_src, llama_build) -> Path:
-    """The compiled renderer, cached next to the build and rebuilt when its
-    source or the libraries are newer."""
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        pytest.skip("compiling llama_chat_render.cpp needs a C++ compiler")
+def llama_chat_render(llama_src, llama_program) -> Path:
+    """The compiled renderer (cached; see ``llama_program`` in conftest.py)."""
     src = llama_src / "vendor" / "llama.cpp"
     if not (src / "common" / "chat.h").is_file():
         pytest.skip(f"{src} lacks common/chat.h; set FLE_LLAMA_SRC to a full llama-cpp-python sdist")
-    build = _TOOLS / "build"
-    libs = [build / lib for lib in _LIBS]
-    if not all(lib.is_file() for lib in libs):
-        llama_build("llama-common", "llama-common-base")
-        missing = [str(lib) for lib in libs if not lib.is_file()]
-        if missing:
-            pytest.skip(f"the build did not produce {', '.join(missing)}")
-    exe = _TOOLS / "llama-chat-render"
-    newest = max(p.stat().st_mtime for p in [_SOURCE, *libs])
-    if not exe.is_file() or exe.stat().st_mtime < newest:
-        tmp = exe.with_name(f"{exe.name}.{os.getpid()}.tmp")
-        cmd = [cxx, "-std=c++17", "-O1", str(_SOURCE), "-o", str(tmp),
-               *(f"-I{src / d}" for d in ("include", "common", "vendor", "ggml/include")),
-               "-Wl,--start-group", *map(str, libs), "-Wl,--end-group", "-fopenmp", "-lpthread", "-ldl"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if r.returncode:
-            pytest.fail(f"compiling {_SOURCE.name} failed:\n{r.stderr[-3000:]}")
-        tmp.replace(exe)  # atomic, for concurrent sessions
-    return exe
+    return llama_program("llama_chat_render.cpp", "llama-chat-render")
 
 
 def llama_render(exe: Path, template: str, messages: list[dict], add_generation_prompt: bool, *,

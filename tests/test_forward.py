@@ -361,6 +361,8 @@ def test_legacy_layout_loads_to_the_same_model(models, model_paths, tmp_path):
     assert "blk.0.ffn_gate_up_exps.weight" in names
     toks = tokens(70, m.n_vocab, seed=5)
     assert rel_err(fle_engine.load(path).logits(toks), m.logits(toks)) < 1e-5
+    # the fused expert tensor streamed from the file: gate and up halves
+    assert rel_err(fle_engine.load(path, experts="stream").logits(toks), m.logits(toks)) < 1e-5
 
 
 def test_tied_output_and_unknown_arch(models, model_paths, tmp_path):

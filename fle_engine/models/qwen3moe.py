@@ -92,13 +92,11 @@ def load_moe(w: Weights, il: int, n_embd: int, n_expert: int, n_used: int, n_ff:
     p = f"blk.{il}."
     router = w.get(p + "ffn_gate_inp.weight", (n_expert, n_embd))
     if w.has(p + "ffn_gate_up_exps.weight"):
-        gate_up = w.get(p + "ffn_gate_up_exps.weight", (n_expert, 2 * n_ff, n_embd))
-        gate, up = gate_up[:, :n_ff].contiguous(), gate_up[:, n_ff:].contiguous()
-        del gate_up
+        gate, up = w.experts_split(p + "ffn_gate_up_exps.weight", (n_expert, n_ff, n_embd))
     else:
-        gate = w.get(p + "ffn_gate_exps.weight", (n_expert, n_ff, n_embd))
-        up = w.get(p + "ffn_up_exps.weight", (n_expert, n_ff, n_embd))
-    down = w.get(p + "ffn_down_exps.weight", (n_expert, n_embd, n_ff))
+        gate = w.experts(p + "ffn_gate_exps.weight", (n_expert, n_ff, n_embd))
+        up = w.experts(p + "ffn_up_exps.weight", (n_expert, n_ff, n_embd))
+    down = w.experts(p + "ffn_down_exps.weight", (n_expert, n_embd, n_ff))
     shexp = sgate = None
     if shared:
         shexp = (w.get(p + "ffn_gate_shexp.weight", (n_ff_shexp, n_embd)),

@@ -90,9 +90,8 @@ def load_mtp(model, path: "str | os.PathLike[str]") -> MTPHead:
     a = getattr(net, "args", None)
     if getattr(a, "arch", None) != "qwen3next":
         raise FleError("this MTP head is for qwen3next models")
-    gguf, w = open_head_file(path, a.arch, a.n_layer, net.device, net.tok_embd.dtype,
-                             {"embedding_length": a.n_embd, "expert_count": a.n_expert,
-                              "attention.head_count": a.n_head, "attention.head_count_kv": a.n_head_kv})
+    gguf, w = open_head_file(path, net, {"embedding_length": a.n_embd, "expert_count": a.n_expert,
+                                           "attention.head_count": a.n_head, "attention.head_count_kv": a.n_head_kv})
     try:
         head = MTPHead(w, a, net)
     finally:

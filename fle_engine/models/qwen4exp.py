@@ -482,7 +482,7 @@ class PLE(nn.Module):
     def forward(self, res: Tensor, tokens: Tensor, state: PLEState) -> Tensor:
         a = self.a
         n_tok, s, d = res.shape
-        emb = F.embedding(self.rows(tokens, state), self.table).reshape(n_tok, -1).to(res.dtype)   # [T, D]
+        emb = L.embedding(self.rows(tokens, state), self.table).reshape(n_tok, -1).to(res.dtype)   # [T, D]
         key = grouped_rms(F.linear(emb, self.key).view(n_tok, s, d), self.norm_key, a.eps)
         query = grouped_rms(res, self.norm_query, a.eps)
         score = (key * query).sum(-1, keepdim=True) / math.sqrt(d)      # [T, S, 1]
@@ -539,7 +539,7 @@ class Transformer(nn.Module):
             if info.shape[0] != a.ple_head_dim or info.shape[1] < rows:
                 raise FleError(f"{w.path}: per_layer_token_embd.weight is {list(info.shape)} (ggml order); "
                                f"the PLE keys need [{a.ple_head_dim}, >= {rows}]")
-            ple_table = param(w.get("per_layer_token_embd.weight"))
+            ple_table = w.table("per_layer_token_embd.weight")
             self.ple_table = ple_table
         self.layers = nn.ModuleList(Block(w, il, a, ple_table if il == a.ple_layer else None)
                                     for il in range(a.n_layer))

@@ -99,9 +99,8 @@ def load_mtp(model, path: "str | os.PathLike[str]") -> MTPHead:
     this carry the head's cache."""
     net = _trunk(model)
     a = net.args
-    gguf, w = open_head_file(path, a.arch, a.n_layer, net.device, net.tok_embd.dtype,
-                             {"embedding_length": a.n_embd, "hyper_connection.count": a.hc,
-                              "expert_count": a.n_expert, "attention.head_count": a.n_head})
+    gguf, w = open_head_file(path, net, {"embedding_length": a.n_embd, "hyper_connection.count": a.hc,
+                                           "expert_count": a.n_expert, "attention.head_count": a.n_head})
     try:
         compress = [int(c) for c in w.hp("attention.compress_ratios", [])]
         head_ratio = compress[a.n_layer] if len(compress) > a.n_layer else 0
