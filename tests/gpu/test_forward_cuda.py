@@ -88,3 +88,30 @@ def test_decode_step_replays_as_cuda_graph(paths, arch):
     got = torch.cat(got).cpu().numpy()
     assert int(state.pos.item()) == len(toks)
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_streamed_experts_equal_resident(tmp_path, arch):
+    """Experts left in the file and dequantized per call onto the GPU."""
+    path = make_model(tmp_path / "r.gguf", arch, mix="release", mtp="none" if arch == "qwen3moe" else "inside")
+    resident = fle_engine.load(path, device="cuda", experts="resident")
+    streamed = fle_engine.load(path, device="cuda", experts="stream")
+    toks = tokens(96, resident.n_vocab, seed=2)
+    assert rel_err(streamed.logits(toks), resident.logits(toks)) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ("qwen3next", "qwen4exp"))
+def test_cuda_mtp_head_equals_cpu(tmp_path, arch):
+    from fle_engine.mtp import head_logits
+
+    path = make_model(tmp_path / "m.gguf", arch, mix="f32", mtp="inside")
+    out = []
+    for dev in ("cuda", "cpu"):
+        m = fle_engine.load(path, device=dev)
+        toks = tokens(64, m.n_vocab, seed=3)
+        st = m.new_state(64)
+        m.forward(toks, st)
+        out.append(head_logits(m, st, st.hidden[:-1], toks[1:]).cpu().numpy())
+        d_tok, _ = m.net.draft(st)
+        assert 0 <= int(d_tok) < m.n_vocab
+    assert rel_err(out[0], out[1]) < 1e-4
