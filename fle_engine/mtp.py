@@ -58,11 +58,12 @@ def _net(model):
     return net
 
 
-def draft(model, state) -> tuple[Tensor, Tensor]:
+def draft(model, state, next_token: "int | None" = None) -> tuple[Tensor, Tensor]:
     """(draft token [1] int64, its logits [V]) for the position after the
-    trunk's greedy next token. ``state`` must come from ``new_state`` after
-    the head was loaded, and the trunk must have run on it; drafting twice
-    without a trunk step in between gives the same draft."""
+    next token: ``next_token`` when it is known (sampled), else the trunk's
+    greedy choice. ``state`` must come from ``new_state`` after the head was
+    loaded, and the trunk must have run on it; drafting twice without a
+    trunk step in between gives the same draft."""
     net = _net(model)
     head, mtp = net.mtp, state.mtp
     if head is None or mtp is None:
@@ -73,8 +74,11 @@ def draft(model, state) -> tuple[Tensor, Tensor]:
         hidden = torch.cat(mtp.queue_h)
         tokens = torch.cat(mtp.queue_tok)
         n = tokens.shape[0]
-        greedy = state.last_logits[-1:].argmax(-1)                       # the trunk's next token, on the device
-        nxt = torch.cat([tokens[1:], greedy])
+        if next_token is None:
+            nxt_tok = state.last_logits[-1:].argmax(-1)                   # the trunk's next token, on the device
+        else:
+            nxt_tok = torch.tensor([int(next_token)], dtype=torch.long, device=tokens.device)
+        nxt = torch.cat([tokens[1:], nxt_tok])
         positions = torch.arange(mtp.pos, mtp.pos + n, device=hidden.device)
         logits = head(hidden, nxt, mtp.cache, positions, state.rope_cos, state.rope_sin)[-1]
     # the last pair used a guessed token: keep it queued, to redo once the real one is known
