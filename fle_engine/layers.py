@@ -194,6 +194,7 @@ class MoE(nn.Module):
             self.shexp_router = nn.Parameter(shared_gate, requires_grad=False) if shared_gate is not None else None
         self.has_shared = shared is not None
         self.mode = "auto"
+        self.store = None          # an expert cache (fle_engine.cached_moe.ExpertStore) serving the routed experts
         self.capture: MoECapture | None = None
 
     @property
@@ -246,11 +247,14 @@ class MoE(nn.Module):
         n_tok = x.shape[0]
         probs, experts, weights = self.route(x)
         w = weights.to(x.dtype)
-        mode = "stream" if self.streamed else self.mode
+        mode = "store" if self.store is not None else "stream" if self.streamed else self.mode
         if mode == "auto":
             mode = "gather" if n_tok * self.n_used <= self.n_expert else "dense"
-        if mode in ("gather", "stream"):
-            y = self.experts_gather(x, experts) if mode == "gather" else self.experts_stream(x, experts)  # [T, K, D]
+        if mode in ("gather", "stream", "store"):
+            if mode == "gather":
+                y = self.experts_gather(x, experts)                     # [T, K, D]
+            else:
+                y = self.experts_stream(x, experts) if mode == "stream" else self.store.experts(x, experts)
             out = (w[:, :, None] * y).sum(1)
         elif mode == "dense":
             dense = self.experts_dense(x)                               # [E, T, D]

@@ -68,11 +68,12 @@ class QuantExperts:
     def n_expert(self) -> int:
         return self.shape[0]
 
-    def get(self, e: int) -> Tensor:
-        """Expert ``e``'s matrix [n_out, n_in], dequantized on the device."""
+    def get(self, e: int, device=None) -> Tensor:
+        """Expert ``e``'s matrix [n_out, n_in], dequantized on ``device``
+        (default: the model's)."""
         r0, r1 = self.rows
         vals = dequantize_rows(self.raw[e, r0:r1], self.qtype, self.shape[2])
-        return torch.from_numpy(vals).to(device=self.device, dtype=self.dtype)
+        return torch.from_numpy(vals).to(device=self.device if device is None else device, dtype=self.dtype)
 
     def dense(self) -> Tensor:
         """All experts [E, n_out, n_in] (tests; as large as the resident form)."""
