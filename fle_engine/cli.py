@@ -3,7 +3,10 @@
 ``fle-engine generate MODEL --prompt TEXT -n N`` continues a prompt, or
 answers it as a chat message with ``--chat``, streaming the text to stdout;
 sampling follows llama.cpp's default chain and defaults (see
-:mod:`fle_engine.sampling`), ``--temp 0`` is greedy."""
+:mod:`fle_engine.sampling`), ``--temp 0`` is greedy.
+
+``fle-engine serve MODEL`` answers OpenAI-style HTTP requests the way
+llama.cpp's ``llama-server`` does (see :mod:`fle_engine.server`)."""
 from __future__ import annotations
 
 import argparse
@@ -46,6 +49,33 @@ def _parser() -> argparse.ArgumentParser:
                    help="speculative decoding with the model's MTP head (inside the model file, or --mtp-head): "
                         "same tokens, fewer trunk steps when drafts are right")
     g.add_argument("--mtp-head", default=None, metavar="FILE", help="a separate MTP-head GGUF (implies --mtp)")
+    g.add_argument("--draft-max", type=int, default=2, dest="draft_max",
+                   help="with --mtp: tokens drafted ahead per trunk call (default: 2)")
+
+    s = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server, as llama.cpp's llama-server",
+        description="Serve the model over HTTP: GET /health and /v1/models, POST /v1/completions and "
+                    "/v1/chat/completions, with llama-server's request fields and defaults (temperature 0.8, "
+                    "top_k 40, top_p 0.95, min_p 0.05; max_tokens until end of generation or the end of the "
+                    "context), streaming as server-sent events, and a chat answer's <think> part in "
+                    "reasoning_content. One sequence at a time; further requests wait.",
+    )
+    s.add_argument("model", help="GGUF model (any shard of a split model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8080, help="port to listen on; 0 picks a free one (default: 8080)")
+    s.add_argument("-c", "--ctx-size", type=int, default=None, dest="ctx_size", metavar="N",
+                   help="context size in tokens, prompt and answer together; 0 = the model's own "
+                        "(default: the model's, at most 8192)")
+    s.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    s.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    s.add_argument("--mtp", action="store_true",
+                   help="speculative decoding with the model's MTP head (inside the model file, or --mtp-head): "
+                        "same tokens, fewer trunk steps when drafts are right")
+    s.add_argument("--mtp-head", default=None, metavar="FILE", help="a separate MTP-head GGUF (implies --mtp)")
+    s.add_argument("--draft-max", type=int, default=2, dest="draft_max",
+                   help="with --mtp: tokens drafted ahead per trunk call (default: 2)")
+    s.add_argument("-a", "--alias", default=None, metavar="NAME",
+                   help="model name in responses and /v1/models (default: the file name)")
     return p
 
 
@@ -92,7 +122,10 @@ def _generate(args) -> int:
                 raise FleError(f"{args.model}: FLE runs no MTP head for {model.arch} models")
             model.net.load_mtp(args.mtp_head)
         spec = SpecStats()
-        tokens = generate_speculative(model, prompt, args.n_predict, sampler, stop=tok.eog_ids, stats=spec)
+        if args.draft_max < 1:
+            raise FleError(f"--draft-max must be at least 1, got {args.draft_max}")
+        tokens = generate_speculative(model, prompt, args.n_predict, sampler, stop=tok.eog_ids,
+                                      n_draft=args.draft_max, stats=spec)
     else:
         tokens = generate_tokens(model, prompt, args.n_predict, sampler, stop=tok.eog_ids)
     stream = tok.stream(special=args.special)
@@ -118,11 +151,21 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from .server import serve
+
+    return serve(args.model, host=args.host, port=args.port, ctx_size=args.ctx_size, device=args.device,
+                 threads=args.threads, mtp=args.mtp, mtp_head=args.mtp_head, n_draft=args.draft_max,
+                 alias=args.alias)
+
+
 @cli_entry("fle-engine")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
     raise FleError(f"unknown command {args.command!r}")  # argparse rejects it first
 
 

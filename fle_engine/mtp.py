@@ -58,18 +58,23 @@ def _net(model):
     return net
 
 
-def draft(model, state, next_token: "int | None" = None) -> tuple[Tensor, Tensor]:
-    """(draft token [1] int64, its logits [V]) for the position after the
-    next token: ``next_token`` when it is known (sampled), else the trunk's
-    greedy choice. ``state`` must come from ``new_state`` after the head was
-    loaded, and the trunk must have run on it; drafting twice without a
-    trunk step in between gives the same draft."""
+def draft(model, state, next_token: "int | None" = None, n_draft: int = 1) -> tuple[Tensor, Tensor]:
+    """(draft tokens [n_draft] int64, their logits [n_draft, V]) for the
+    positions after the next token: ``next_token`` when it is known
+    (sampled), else the trunk's greedy choice. The first draft comes from the
+    trunk's hidden state; each further one from the head's own hidden state
+    and the previous draft, one position on. ``state`` must come from
+    ``new_state`` after the head was loaded, and the trunk must have run on
+    it; drafting twice without a trunk step in between gives the same
+    drafts."""
     net = _net(model)
     head, mtp = net.mtp, state.mtp
     if head is None or mtp is None:
         raise FleError("no MTP head: load one (load_mtp) before making the state")
     if not mtp.queue_h:
         raise FleError("draft needs the trunk to have processed at least one token of this state")
+    if n_draft < 1:
+        raise FleError(f"n_draft must be at least 1, got {n_draft}")
     with torch.inference_mode():
         hidden = torch.cat(mtp.queue_h)
         tokens = torch.cat(mtp.queue_tok)
@@ -80,11 +85,22 @@ def draft(model, state, next_token: "int | None" = None) -> tuple[Tensor, Tensor
             nxt_tok = torch.tensor([int(next_token)], dtype=torch.long, device=tokens.device)
         nxt = torch.cat([tokens[1:], nxt_tok])
         positions = torch.arange(mtp.pos, mtp.pos + n, device=hidden.device)
-        logits = head(hidden, nxt, mtp.cache, positions, state.rope_cos, state.rope_sin)[-1]
+        logits, h = head(hidden, nxt, mtp.cache, positions, state.rope_cos, state.rope_sin, return_hidden=True)
+        out_logits = [logits[-1:]]
+        drafts = [logits[-1:].argmax(-1)]
+        last = mtp.pos + n - 1
+        for i in range(1, n_draft):
+            # provisional cells past the settled ones: rewritten by later drafts
+            if last + i >= state.max_tokens:
+                break
+            pos = torch.arange(last + i, last + i + 1, device=hidden.device)
+            lg, h = head(h[-1:], drafts[-1], mtp.cache, pos, state.rope_cos, state.rope_sin, return_hidden=True)
+            out_logits.append(lg)
+            drafts.append(lg.argmax(-1))
     # the last pair used a guessed token: keep it queued, to redo once the real one is known
     mtp.queue_h, mtp.queue_tok = [hidden[-1:]], [tokens[-1:]]
     mtp.pos += n - 1
-    return logits.argmax(-1, keepdim=True), logits
+    return torch.cat(drafts), torch.cat(out_logits)
 
 
 def head_logits(model, state, hidden: Tensor, next_tokens) -> Tensor:

@@ -84,11 +84,12 @@ class SpecStats:
 
 
 def generate_speculative(model, prompt: Sequence[int], n_predict: int, sampler: Callable[[np.ndarray], int],
-                         stop: Iterable[int] = (), n_batch: int = 512,
+                         stop: Iterable[int] = (), n_batch: int = 512, n_draft: int = 1,
                          stats: "SpecStats | None" = None) -> Iterator[int]:
-    """Like :func:`fle_engine.sampling.generate_tokens`, drafting one token
-    ahead with the model's MTP head (loaded inside the model file or with
-    ``load_mtp``). ``stats`` (optional) counts drafts and acceptances."""
+    """Like :func:`fle_engine.sampling.generate_tokens`, drafting up to
+    ``n_draft`` tokens ahead with the model's MTP head (loaded inside the
+    model file or with ``load_mtp``) and checking them in one trunk call.
+    ``stats`` (optional) counts drafts and acceptances."""
     net = model.net
     if getattr(net, "mtp", None) is None:
         raise FleError(f"{model.path}: no MTP head loaded; speculative decoding needs one "
@@ -98,33 +99,36 @@ def generate_speculative(model, prompt: Sequence[int], n_predict: int, sampler: 
         raise FleError("the prompt is empty; generation needs at least one token to start from")
     if n_predict < 1:
         raise FleError(f"the number of tokens to generate must be at least 1, got {n_predict}")
+    if n_draft < 1:
+        raise FleError(f"the number of drafted tokens must be at least 1, got {n_draft}")
     stop = frozenset(int(t) for t in stop)
     stats = stats if stats is not None else SpecStats()
-    state = model.new_state(len(prompt) + n_predict + 1)
+    state = model.new_state(len(prompt) + n_predict + n_draft)
     for s in range(0, len(prompt), n_batch):
         out = model.forward(prompt[s:s + n_batch], state)
     tok = sampler(out[-1].float().cpu().numpy())
     n = 1
     yield tok
     while tok not in stop and n < n_predict:
-        d = int(draft(model, state, next_token=tok)[0])
-        stats.drafted += 1
-        snap = snapshot(state)
-        logits = model.forward([tok, d], state)
+        # a check of k drafts emits up to k + 1 tokens: draft no more than are still wanted
+        k = min(n_draft, n_predict - n - 1)
+        drafts = draft(model, state, next_token=tok, n_draft=k)[0].tolist() if k else []
+        stats.drafted += len(drafts)
+        snap = snapshot(state) if drafts else None
+        logits = model.forward([tok] + drafts, state)
         stats.trunk_calls += 1
-        u = sampler(logits[0].float().cpu().numpy())
-        n += 1
-        if u != d:
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            u = sampler(logits[i].float().cpu().numpy())
+            n += 1
+            yield u
+            if i < len(drafts) and u == drafts[i] and u not in stop and n < n_predict:
+                accepted += 1
+                continue
+            break
+        stats.accepted += accepted
+        if accepted < len(drafts):
             restore(state, snap)
-            model.forward([tok], state)              # settle the next token alone
+            model.forward([tok] + drafts[:accepted], state)     # settle what was kept
             stats.trunk_calls += 1
-            tok = u
-            yield tok
-            continue
-        stats.accepted += 1
-        yield u
-        if u in stop or n >= n_predict:
-            return
-        tok = sampler(logits[1].float().cpu().numpy())
-        n += 1
-        yield tok
+        tok = u

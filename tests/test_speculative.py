@@ -30,36 +30,60 @@ def prompt(m, n=12):
     return np.random.default_rng(3).integers(0, m.n_vocab, n).tolist()
 
 
-def test_greedy_equals_plain(model):
+@pytest.mark.parametrize("n_draft", [1, 2, 3])
+def test_greedy_equals_plain(model, n_draft):
     want = list(generate_tokens(model, prompt(model), N, Sampler(SamplerParams(temp=0.0))))
     stats = SpecStats()
-    got = list(generate_speculative(model, prompt(model), N, Sampler(SamplerParams(temp=0.0)), stats=stats))
+    got = list(generate_speculative(model, prompt(model), N, Sampler(SamplerParams(temp=0.0)), n_draft=n_draft,
+                                    stats=stats))
     assert got == want
-    assert stats.drafted > 0 and stats.trunk_calls >= stats.drafted
+    assert stats.drafted > 0 and stats.trunk_calls >= stats.drafted / n_draft
 
 
-def test_sampled_equals_plain(model):
+@pytest.mark.parametrize("n_draft", [1, 2])
+def test_sampled_equals_plain(model, n_draft):
     params = SamplerParams(temp=1.0, top_k=20, top_p=0.95, min_p=0.0, seed=7)
     want = list(generate_tokens(model, prompt(model), N, Sampler(params)))
-    got = list(generate_speculative(model, prompt(model), N, Sampler(params)))
+    got = list(generate_speculative(model, prompt(model), N, Sampler(params), n_draft=n_draft))
     assert got == want
 
 
-def test_always_right_drafts_settle_two_tokens_per_call(model, monkeypatch):
+@pytest.mark.parametrize("n_draft", [1, 2, 3])
+def test_always_right_drafts(model, monkeypatch, n_draft):
     greedy = Sampler(SamplerParams(temp=0.0))
     want = list(generate_tokens(model, prompt(model), N, greedy))
     seq = prompt(model) + want
 
-    def oracle(m, state, next_token=None):
-        # the token after next, from the plain greedy run
-        return torch.tensor([seq[state.length + 1]]), None
+    def oracle(m, state, next_token=None, n_draft=1):
+        # the tokens after next, from the plain greedy run
+        return torch.tensor(seq[state.length + 1:state.length + 1 + n_draft]), None
 
     monkeypatch.setattr(speculative, "draft", oracle)
     stats = SpecStats()
-    got = list(generate_speculative(model, prompt(model), N, Sampler(SamplerParams(temp=0.0)), stats=stats))
+    got = list(generate_speculative(model, prompt(model), N, Sampler(SamplerParams(temp=0.0)), n_draft=n_draft,
+                                    stats=stats))
     assert got == want
-    # the first token comes from the prompt, then two per call (the last call may yield one)
-    assert stats.accepted == stats.drafted == stats.trunk_calls == -(-(N - 1) // 2)
+    # the first token comes from the prompt, then n_draft + 1 per trunk call, no rollback
+    assert stats.accepted == stats.drafted and stats.trunk_calls == -(-(N - 1) // (n_draft + 1))
+
+
+def test_wrong_second_draft_keeps_the_first(model, monkeypatch):
+    """Drafts right, then wrong: the first is kept, the state rolled back to
+    just after it, and the tokens are still the plain ones."""
+    greedy = Sampler(SamplerParams(temp=0.0))
+    want = list(generate_tokens(model, prompt(model), N, greedy))
+    seq = prompt(model) + want
+
+    def half_right(m, state, next_token=None, n_draft=1):
+        right = seq[state.length + 1:state.length + 1 + n_draft]
+        return torch.tensor([right[0]] + [(t + 1) % m.n_vocab for t in right[1:]]), None
+
+    monkeypatch.setattr(speculative, "draft", half_right)
+    stats = SpecStats()
+    got = list(generate_speculative(model, prompt(model), N, Sampler(SamplerParams(temp=0.0)), n_draft=2,
+                                    stats=stats))
+    assert got == want
+    assert stats.accepted == stats.drafted // 2 and stats.accepted > 0
 
 
 def test_rollback_restores_the_state(model):

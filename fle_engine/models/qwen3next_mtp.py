@@ -70,15 +70,20 @@ class MTPHead(nn.Module):
         return MTPState(L.AttnCache(torch.zeros(kv, dtype=dt, device=dev), torch.zeros(kv, dtype=dt, device=dev)))
 
     def forward(self, hidden: Tensor, next_tokens: Tensor, cache: L.AttnCache, positions: Tensor,
-                rope_cos: Tensor, rope_sin: Tensor) -> Tensor:
+                rope_cos: Tensor, rope_sin: Tensor, return_hidden: bool = False):
         """Logits [T, V] of the token after ``next_tokens`` [T], from the
-        trunk's post-norm hidden states ``hidden`` [T, D] at ``positions``."""
+        trunk's post-norm hidden states ``hidden`` [T, D] at ``positions``;
+        with ``return_hidden`` also the head's own post-norm hidden state,
+        what a further drafting step reads in place of the trunk's (as
+        llama.cpp's MTP drafting feeds ``h_nextn`` back)."""
         eps = self.a.eps
         e = L.rms_norm(F.embedding(next_tokens, self.embed), self.enorm, eps)
         h = L.rms_norm(hidden, self.hnorm, eps)
         x = F.linear(torch.cat([e, h], -1), self.eh_proj)
         x = self.block(x, cache, positions, rope_cos[positions], rope_sin[positions])
-        return F.linear(L.rms_norm(x, self.head_norm, eps), self.output)
+        h_out = L.rms_norm(x, self.head_norm, eps)
+        logits = F.linear(h_out, self.output)
+        return (logits, h_out) if return_hidden else logits
 
 
 def load_mtp(model, path: "str | os.PathLike[str]") -> MTPHead:

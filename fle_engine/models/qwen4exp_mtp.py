@@ -69,9 +69,11 @@ class MTPHead(nn.Module):
         return MTPState(QSACache(torch.zeros(kv, dtype=dt, device=dev), torch.zeros(kv, dtype=dt, device=dev), idx))
 
     def forward(self, hidden: Tensor, next_tokens: Tensor, cache: QSACache, positions: Tensor,
-                rope_cos: Tensor, rope_sin: Tensor) -> Tensor:
+                rope_cos: Tensor, rope_sin: Tensor, return_hidden: bool = False):
         """Logits [T, V] of the token after ``next_tokens`` [T], from the
-        trunk residuals ``hidden`` [T, S, D] at ``positions`` [T]."""
+        trunk residuals ``hidden`` [T, S, D] at ``positions`` [T]; with
+        ``return_hidden`` also the head's own wide residual [T, S, D], what
+        a further drafting step reads in place of the trunk's."""
         a = self.a
         e = L.rms_norm(F.embedding(next_tokens, self.embed), self.enorm, a.eps)          # [T, D]
         h = grouped_rms(hidden, self.hnorm, a.eps)                                         # [T, S, D]
@@ -82,7 +84,8 @@ class MTPHead(nn.Module):
         xin, inject = self.hc_ffn(x)
         x = hc_write(x, self.moe(xin), inject, False)
         y, _ = self.head_hc(x)
-        return F.linear(y, self.output)
+        logits = F.linear(y, self.output)
+        return (logits, x) if return_hidden else logits
 
 
 def _trunk(model):
