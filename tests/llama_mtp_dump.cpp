@@ -11,6 +11,8 @@
 //   mtp_logits.f32       [n-1, n_vocab] head logits of the pairs (h_j, t_{j+1}),
 //                                       j = 0 .. n-2, decoded as one batch at
 //                                       positions j + 1 into an empty head cache
+//   mtp_h_nextn.f32      [n-1, n_embd]  the head's own h_nextn of those pairs
+//                                        (fed back by multi-token drafting)
 //   mtp_logits_hook.f32  [n, n_vocab]   the same head over the batch that
 //                                       common/speculative.cpp's MTP catch-up
 //                                       decodes for a prompt: row k pairs t_k
@@ -92,10 +94,12 @@ llama_context * make_context(llama_model * model, llama_context_type type, int n
 }
 
 // decodes rows (tokens[k], h_rows[k] or zeros when null, pos[k]) as one batch
-// in an emptied head cache and returns the logits of every row
+// in an emptied head cache and returns the logits of every row; with h_out,
+// also the head's own h_nextn of every row (what multi-token drafting feeds
+// back as the next row's hidden state)
 std::vector<float> run_head(llama_context * ctx, const std::vector<llama_token> & tokens,
                             const std::vector<const float *> & h_rows, const std::vector<llama_pos> & pos,
-                            int n_embd, int n_vocab) {
+                            int n_embd, int n_vocab, std::vector<float> * h_out = nullptr) {
     llama_memory_clear(llama_get_memory(ctx), true);
     const std::vector<float> zeros(n_embd, 0.0f);
     llama_batch_ext * batch = llama_batch_ext_init(ctx);
@@ -124,6 +128,13 @@ std::vector<float> run_head(llama_context * ctx, const std::vector<llama_token> 
             die("no MTP logits for row " + std::to_string(k));
         }
         std::memcpy(out.data() + (size_t) k * n_vocab, row, sizeof(float) * n_vocab);
+    }
+    if (h_out) {
+        const float * h = llama_get_embeddings_nextn(ctx);
+        if (!h) {
+            die("the MTP context kept no h_nextn");
+        }
+        h_out->assign(h, h + (size_t) m * n_embd);
     }
     return out;
 }
@@ -198,6 +209,7 @@ int main(int argc, char ** argv) {
 
     // (b) the head: a context of type MTP on the same model
     llama_context * ctx_mtp = make_context(model, LLAMA_CONTEXT_TYPE_MTP, n, n_threads, ctx_tgt);
+    llama_set_embeddings_nextn(ctx_mtp, true, /*masked*/ false);
 
     std::vector<llama_token>   pair_tok;
     std::vector<const float *> pair_h;
@@ -207,7 +219,8 @@ int main(int argc, char ** argv) {
         pair_h.push_back(h_nextn.data() + (size_t) j * n_embd);
         pair_pos.push_back(j + 1);
     }
-    const std::vector<float> mtp = run_head(ctx_mtp, pair_tok, pair_h, pair_pos, n_embd, n_vocab);
+    std::vector<float> mtp_h;
+    const std::vector<float> mtp = run_head(ctx_mtp, pair_tok, pair_h, pair_pos, n_embd, n_vocab, &mtp_h);
 
     std::vector<const float *> hook_h = {nullptr};
     std::vector<llama_pos>     hook_pos;
@@ -221,6 +234,7 @@ int main(int argc, char ** argv) {
     write_f32(out_dir + "/h_nextn.f32", h_nextn.data(), h_nextn.size());
     write_f32(out_dir + "/mtp_logits.f32", mtp.data(), mtp.size());
     write_f32(out_dir + "/mtp_logits_hook.f32", hook.data(), hook.size());
+    write_f32(out_dir + "/mtp_h_nextn.f32", mtp_h.data(), mtp_h.size());
     FILE * meta = std::fopen((out_dir + "/meta.txt").c_str(), "w");
     if (!meta || std::fprintf(meta, "%d %d %d\n", n, n_vocab, n_embd) < 0 || std::fclose(meta) != 0) {
         die("cannot write " + out_dir + "/meta.txt");
