@@ -115,3 +115,20 @@ def test_cuda_mtp_head_equals_cpu(tmp_path, arch):
         d_tok, _ = m.net.draft(st)
         assert 0 <= int(d_tok) < m.n_vocab
     assert rel_err(out[0], out[1]) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_expert_cache_equals_resident(tmp_path, arch):
+    """Expert slots on the GPU, misses on the CPU from the mapped file."""
+    from fle_engine.cached_moe import attach_expert_cache
+
+    path = make_model(tmp_path / "c.gguf", arch, mix="release", routing_skew=1.0)
+    resident = fle_engine.load(path, device="cuda", experts="resident")
+    cached = fle_engine.load(path, device="cuda", experts="stream")
+    stores = attach_expert_cache(cached, slots=3)
+    toks = tokens(64, resident.n_vocab, seed=4)
+    st_a, st_b = resident.new_state(64), cached.new_state(64)
+    want = torch.cat([resident.forward([t], st_a) for t in toks]).cpu().numpy()
+    got = torch.cat([cached.forward([t], st_b) for t in toks]).cpu().numpy()
+    assert rel_err(got, want) < 1e-4
+    assert all(0 < s.stats.hits < s.stats.requests for s in stores.values() if s.stats.requests)
