@@ -72,6 +72,7 @@ __all__ = [
     "WritePlan",
     "WriteResult",
     "write_gguf",
+    "planned_layout",
     "temp_path",
 ]
 
@@ -371,6 +372,24 @@ def _shard_kvs(plan: WritePlan, shard: int, count: int, n_total: int) -> list[by
     return kvs
 
 
+def _layout(plan: WritePlan, out_path: Path, split_max_size: int | None,
+            split_max_tensors: int | None) -> tuple[list[Path], list[list[PlanTensor]], list[bytes]]:
+    groups = _split(plan.tensors, plan.alignment, split_max_size, split_max_tensors)
+    count = len(groups)
+    finals = [out_path] if count == 1 else [shard_path(out_path, i, count) for i in range(count)]
+    headers = [_encode_header(_shard_kvs(plan, i, count, len(plan.tensors)), group, plan.alignment)
+               for i, group in enumerate(groups)]
+    return finals, groups, headers
+
+
+def planned_layout(plan: WritePlan, out_path: "str | os.PathLike[str]", split_max_size: int | None = None,
+                   split_max_tensors: int | None = None) -> tuple[list[Path], list[int]]:
+    """The file names and exact byte sizes :func:`write_gguf` will write for
+    ``plan`` (headers only are encoded; nothing is read or written)."""
+    finals, groups, headers = _layout(plan, Path(out_path), split_max_size, split_max_tensors)
+    return finals, [len(h) + sum(pad(t.n_bytes, plan.alignment) for t in g) for h, g in zip(headers, groups)]
+
+
 # ---------------------------------------------------------------------------
 # streaming
 
@@ -577,19 +596,13 @@ def write_gguf(
     if not out_path.parent.is_dir():
         raise FleError(f"{out_path}: directory {out_path.parent} does not exist")
     _check_plan(plan)
-    alignment = plan.alignment
-    groups = _split(plan.tensors, alignment, split_max_size, split_max_tensors)
-    count = len(groups)
-    finals = [out_path] if count == 1 else [shard_path(out_path, i, count) for i in range(count)]
+    finals, groups, headers = _layout(plan, out_path, split_max_size, split_max_tensors)
     if not force:
         existing = [p for p in finals if p.exists()]
         if existing:
             raise FleError(f"{existing[0]}: output exists; choose another name or pass force to overwrite")
     _remove_leftovers(out_path)
-    headers = [
-        _encode_header(_shard_kvs(plan, i, count, len(plan.tensors)), group, alignment)
-        for i, group in enumerate(groups)
-    ]
+    alignment = plan.alignment
 
     temps = [temp_path(p) for p in finals]
     sha: dict[str, str] = {}

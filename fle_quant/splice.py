@@ -70,10 +70,9 @@ from typing import Mapping
 from . import __version__
 from .digest import sha256_file, sha256_model
 from .errors import FleError
-from .gguf_format import GGUFValueType, pad, shard_path
+from .gguf_format import GGUFValueType
 from .gguf_reader import GGUFModel, TensorInfo
-from .gguf_writer import ByteSource, WritePlan, WriteResult, write_gguf
-from .gguf_writer import _encode_header, _shard_kvs, _split  # the exact layout write_gguf will produce
+from .gguf_writer import ByteSource, WritePlan, WriteResult, planned_layout, write_gguf
 from .select import Selection, load_selection
 
 __all__ = [
@@ -249,20 +248,6 @@ def _provenance(plan: WritePlan, base: Input, donors: dict[str, Input], selectio
     plan.add(p + "layer_sources", layer_sources, A, S)
 
 
-def _layout(plan: WritePlan, out: Path, split_max_size: int | None,
-            split_max_tensors: int | None) -> tuple[list[Path], list[int]]:
-    """Output file names and exact sizes, as write_gguf will write them."""
-    alignment = plan.alignment
-    groups = _split(plan.tensors, alignment, split_max_size, split_max_tensors)
-    count = len(groups)
-    sizes = []
-    for i, group in enumerate(groups):
-        header = _encode_header(_shard_kvs(plan, i, count, len(plan.tensors)), group, alignment)
-        sizes.append(len(header) + sum(pad(t.n_bytes, alignment) for t in group))
-    paths = [out] if count == 1 else [shard_path(out, i, count) for i in range(count)]
-    return paths, sizes
-
-
 def plan_splice(base: "str | os.PathLike[str]", donors: Mapping[str, "str | os.PathLike[str]"],
                 selection: "str | os.PathLike[str]", out: "str | os.PathLike[str]", *,
                 split_max_size: int | None = None, split_max_tensors: int | None = None,
@@ -349,7 +334,7 @@ def plan_splice(base: "str | os.PathLike[str]", donors: Mapping[str, "str | os.P
             layer_sources[choice.layer] = choice.source
 
     _provenance(wp, binput, dinputs, selection_path, layer_sources, {}, _ZERO_SHA)
-    out_paths, sizes = _layout(wp, out, split_max_size, split_max_tensors)
+    out_paths, sizes = planned_layout(wp, out, split_max_size, split_max_tensors)
     inputs = {p.resolve() for i in [binput, *dinputs.values()] for p in i.paths}
     for p in out_paths:
         if p.resolve() in inputs:
@@ -394,7 +379,7 @@ def fill_provenance(plan: SplicePlan, *, use_cache: bool = True, progress: bool 
     plan.digests = digests
     plan.selection_sha256 = sel_sha
     # digests have a fixed length, so the layout printed before hashing still holds
-    _, sizes = _layout(plan.write_plan, plan.out, plan.split_max_size, plan.split_max_tensors)
+    _, sizes = planned_layout(plan.write_plan, plan.out, plan.split_max_size, plan.split_max_tensors)
     assert sizes == plan.shard_sizes
 
 
