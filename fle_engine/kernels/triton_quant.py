@@ -1,0 +1,406 @@
+"""Triton kernels for products with weights kept in their GGUF block bytes.
+
+One kernel serves every format. A program owns ``BLOCK_N`` output rows and
+walks the input dimension one chunk at a time (one 256-value super-block,
+or eight 32-value blocks): it loads the chunk's bytes as 16- or 32-bit
+words, decodes them in registers into a float32 tile ``[BLOCK_N, A, B, C]``
+(one word's values along the last axes; :func:`_value_index` gives each
+value's place in the chunk, so the activations are gathered in the same
+order) and multiplies the tile with its activation rows. The decoded
+values never touch memory; accumulation is float32.
+
+Activation rows per program (``T_PAD``): with one, the products are summed
+elementwise across chunks and reduced once; with up to eight, each tile is
+decoded once and multiplied with every row, so the weights are read once
+for the group. The defaults come from measurements (see
+``_ROWS_PER_PROGRAM``); ``Config`` overrides them for tuning
+(``bench/kernels.py --tune``).
+
+Each format's decoder follows fle_quant's block decoders
+(``fle_quant/quants/blocks_*.py``) operation for operation, so decoded
+values are the same floats as ggml's ``to_float``. Lookup tables (the IQ4
+code book; the IQ3_S grid, four entries packed per int32) are small device
+tensors passed by pointer.
+
+Expert form: the program of row ``r`` loads all expert ids of the call
+(up to ``MAX_SCAN``), does nothing if an earlier row has the same expert,
+and otherwise computes every row of that expert, ``T_PAD`` at a time. Each
+distinct expert's weights are thus read once per group of rows, with
+static shapes, no host synchronisation and no extra launches, so a call
+can sit inside a CUDA graph (after one eager call has compiled the kernel
+and placed the lookup tables on the device).
+
+Importing this module imports triton; set ``TRITON_INTERPRET=1`` before
+that import to run the kernels with numpy on CPU tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
+from fle_quant.quants import tables
+
+__all__ = ["SUPPORTED", "Config", "mul_mat", "mul_mat_experts"]
+
+# Rows of activations one program multiplies with a decoded weight tile.
+MAX_T_PAD = 8
+
+
+@triton.jit
+def _half(v):
+    """The low 16 bits of ``v`` (int32) read as an fp16, as float32."""
+    return (v & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _u16(v):
+    """An int16 load widened to its unsigned value."""
+    return v.to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _decode_q8_0(wv, row_w, kc, n_blocks, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    # block, 17 halfwords: d f16 | qs int8[32]. Tile [BN, A blocks, B = 16 halfwords, C = 2 bytes]:
+    # value 32 a + 2 b + c of the chunk
+    a = tl.arange(0, A)
+    b = tl.arange(0, B)
+    c = tl.arange(0, C)
+    blk = kc * A + a
+    in_row = blk < n_blocks
+    bw = row_w[:, None] + tl.where(in_row, blk, 0).to(tl.int64)[None, :] * 17  # [BN, A]
+    d = _half(tl.load(wv + bw).to(tl.int32))
+    q = _u16(tl.load(wv + bw[:, :, None] + 1 + b[None, None, :]))  # [BN, A, B]
+    v = (q[:, :, :, None] >> (8 * c)[None, None, None, :]).to(tl.int8).to(tl.float32)
+    w = v * d[:, :, None, None]
+    # a block past the row's end must give 0, even where the clamped block holds inf or NaN scales
+    return tl.where(in_row[None, :, None, None], w, 0.0)
+
+
+@triton.jit
+def _decode_iq4_nl(wv, lut_ptr, row_w, kc, n_blocks, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    # block, 9 halfwords: d f16 | qs[16]; value j = kvalues[qs[j] & 15], 16 + j = kvalues[qs[j] >> 4].
+    # Tile [BN, A blocks, B = 8 halfwords, C = 4]: c = 2 * nibble + byte, value 32 a + 16 (c >> 1) + 2 b + (c & 1)
+    a = tl.arange(0, A)
+    b = tl.arange(0, B)
+    c = tl.arange(0, C)
+    blk = kc * A + a
+    in_row = blk < n_blocks
+    bw = row_w[:, None] + tl.where(in_row, blk, 0).to(tl.int64)[None, :] * 9  # [BN, A]
+    d = _half(tl.load(wv + bw).to(tl.int32))
+    q = _u16(tl.load(wv + bw[:, :, None] + 1 + b[None, None, :]))  # [BN, A, B]
+    nib = (q[:, :, :, None] >> (8 * (c & 1) + 4 * (c >> 1))[None, None, None, :]) & 0xF
+    w = d[:, :, None, None] * tl.load(lut_ptr + nib)
+    return tl.where(in_row[None, :, None, None], w, 0.0)
+
+
+@triton.jit
+def _decode_iq4_xs(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    # block, 34 words: d f16 + scales_h u16 | scales_l[4] | qs[128]. 32-value sub-block a has the 6-bit
+    # scale (nibble a of scales_l) | (bits 2a, 2a+1 of scales_h) << 4 and the bytes of qs words
+    # 4a .. 4a + 3. Tile [BN, A = 8, B = 4 words, C = 8]: byte c & 3 of word b, nibble c >> 2:
+    # value 32 a + 16 (c >> 2) + 4 b + (c & 3)
+    a = tl.arange(0, A)
+    b = tl.arange(0, B)
+    c = tl.arange(0, C)
+    bw = row_w + kc * 34  # [BN]
+    h0 = tl.load(wv + bw)
+    h1 = tl.load(wv + bw + 1)
+    d = _half(h0)
+    ls = ((h1[:, None] >> (4 * a)[None, :]) & 0xF) | (((h0[:, None] >> (16 + 2 * a)[None, :]) & 3) << 4)
+    dl = d[:, None] * (ls - 32).to(tl.float32)  # [BN, A]
+    q = tl.load(wv + bw[:, None, None] + 2 + (4 * a)[None, :, None] + b[None, None, :])  # [BN, A, B]
+    nib = (q[:, :, :, None] >> (8 * (c & 3) + 4 * (c >> 2))[None, None, None, :]) & 0xF
+    return dl[:, :, None, None] * tl.load(lut_ptr + nib)
+
+
+@triton.jit
+def _decode_iq3_s(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    # block, 55 halfwords: d f16 | qs[64] | qh[8] | signs[32] | scales[4]. Value v uses grid row
+    # qs[v / 4] | (bit (v / 4) % 8 of qh[v / 32]) << 8, entry v % 4; sign bit v % 8 of signs[v / 8];
+    # 4-bit scale (v / 32) % 2 of scales[v / 64]. Tile [BN, A = 32 qs halfwords, B = 2 grid rows,
+    # C = 4]: value 8 a + 4 b + c. The lookup table packs each grid row's four values in one int32.
+    a = tl.arange(0, A)
+    b = tl.arange(0, B)
+    c = tl.arange(0, C)
+    bw = row_w + kc * 55  # [BN]
+    d = _half(tl.load(wv + bw).to(tl.int32))
+    base = bw[:, None]
+    qs = _u16(tl.load(wv + base + 1 + a[None, :]))  # [BN, A]
+    qh = (_u16(tl.load(wv + base + 33 + (a // 8)[None, :])) >> (8 * ((a // 4) % 2))[None, :]) & 0xFF
+    sg = (_u16(tl.load(wv + base + 37 + (a // 2)[None, :])) >> (8 * (a % 2))[None, :]) & 0xFF
+    sc = _u16(tl.load(wv + base + 53 + (a // 16)[None, :]))
+    scn = (sc >> (8 * ((a // 8) % 2) + 4 * ((a // 4) % 2))[None, :]) & 0xF
+    db = d[:, None] * (1 + 2 * scn).to(tl.float32)  # [BN, A]
+    quad = (2 * a)[:, None] + b[None, :]  # [A, B]
+    row = ((qs[:, :, None] >> (8 * b)[None, None, :]) & 0xFF) | (((qh[:, :, None] >> (quad % 8)[None, :, :]) & 1) << 8)
+    grid = (tl.load(lut_ptr + row)[:, :, :, None] >> (8 * c)[None, None, None, :]) & 0xFF  # [BN, A, B, C]
+    neg = (sg[:, :, None, None] >> (4 * b[:, None] + c[None, :])[None, None, :, :]) & 1
+    return db[:, :, None, None] * grid.to(tl.float32) * (1 - 2 * neg).to(tl.float32)
+
+
+@triton.jit
+def _decode_q6_k(wv, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    # block, 105 halfwords: ql[128] | qh[64] | scales int8[16] | d f16. With h = v / 128,
+    # k = (v / 32) % 4, m = v % 32, value v is nibble k >> 1 of ql[64 h + 32 (k & 1) + m], plus
+    # bits 2k, 2k+1 of qh[32 h + m] as bits 4, 5, minus 32, times d * scales[v / 16].
+    # Tile [BN, A = 32 (16 h + m / 2), B = 2 (m % 2), C = 4 (k)]: value 128 h + 32 k + m.
+    a = tl.arange(0, A)
+    b = tl.arange(0, B)
+    c = tl.arange(0, C)
+    h = a // 16
+    mp = a % 16
+    bw = row_w + kc * 105  # [BN]
+    d = _half(tl.load(wv + bw + 104).to(tl.int32))
+    base = bw[:, None, None, None]
+    qh = _u16(tl.load(wv + bw[:, None] + 64 + a[None, :]))  # [BN, A]: qh halfword 16 h + m / 2
+    qhv = (qh[:, :, None, None] >> (8 * b[:, None] + 2 * c[None, :])[None, None, :, :]) & 3
+    ql = _u16(tl.load(wv + base + (32 * h + mp)[None, :, None, None] + (16 * (c & 1))[None, None, None, :]))
+    qlv = (ql >> (8 * b[:, None] + 4 * (c >> 1)[None, :])[None, None, :, :]) & 0xF  # [BN, A, B, C]
+    sc = _u16(tl.load(wv + base + 96 + (4 * h)[None, :, None, None] + c[None, None, None, :]))  # [BN, A, 1, C]
+    scv = (sc >> (8 * (mp // 8))[None, :, None, None]) & 0xFF
+    ds = d[:, None, None, None] * scv.to(tl.int8).to(tl.float32)
+    return ds * (((qhv << 4) | qlv) - 32).to(tl.float32)
+
+
+@triton.jit
+def _value_index(QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    """[A, B, C]: the position in the chunk of each value of a decoded tile."""
+    a = tl.arange(0, A)[:, None, None]
+    b = tl.arange(0, B)[None, :, None]
+    c = tl.arange(0, C)[None, None, :]
+    if QTYPE == 8:
+        k = 32 * a + 2 * b + c
+    elif QTYPE == 14:
+        k = 128 * (a // 16) + 32 * c + 2 * (a % 16) + b
+    elif QTYPE == 20:
+        k = 32 * a + 16 * (c >> 1) + 2 * b + (c & 1)
+    elif QTYPE == 21:
+        k = 8 * a + 4 * b + c
+    else:
+        k = 32 * a + 16 * (c >> 2) + 4 * b + (c & 3)
+    return k
+
+
+@triton.jit
+def _decode(QTYPE: tl.constexpr, wv, lut_ptr, row_w, kc, n_blocks, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    """Chunk ``kc`` of the rows at word offsets ``row_w`` [BN] -> float32 [BN, A, B, C]."""
+    if QTYPE == 8:
+        w = _decode_q8_0(wv, row_w, kc, n_blocks, A, B, C)
+    elif QTYPE == 14:
+        w = _decode_q6_k(wv, row_w, kc, A, B, C)
+    elif QTYPE == 20:
+        w = _decode_iq4_nl(wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
+    elif QTYPE == 21:
+        w = _decode_iq3_s(wv, lut_ptr, row_w, kc, A, B, C)
+    else:
+        tl.static_assert(QTYPE == 23)
+        w = _decode_iq4_xs(wv, lut_ptr, row_w, kc, A, B, C)
+    return w
+
+
+@triton.jit
+def _chunk_products(acc, QTYPE: tl.constexpr, wv, lut_ptr, row_w, kc, n_blocks, x_ptr, rows, c, last,
+                    n_in, stride_x, k_in, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
+                    T_PAD: tl.constexpr):
+    """``acc`` [T_PAD, BN] plus the products of chunk ``kc`` with the activation rows ``rows``
+    [T_PAD] (slots c .. last - 1 of the group are real)."""
+    w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)  # [BN, A, B, C]
+    k = kc * (A * B * C) + k_in
+    k_mask = k < n_in
+    t_idx = tl.arange(0, T_PAD)
+    for t in tl.static_range(T_PAD):
+        if c + t < last:
+            tok = tl.sum(tl.where(t_idx == t, rows, 0), axis=0)
+            xt = tl.load(x_ptr + tok.to(tl.int64) * stride_x + k, mask=k_mask, other=0.0)
+            yt = tl.sum(tl.sum(tl.sum(w * xt[None, :, :, :], axis=3), axis=2), axis=1)  # [BN]
+            acc += tl.where(t_idx[:, None] == t, yt[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _qmm_kernel(wv, lut_ptr, x_ptr, y_ptr, ids_ptr,
+                n_rows, n_out, n_in, n_blocks, row_words, expert_words, n_experts, stride_x, stride_y,
+                QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, N_CHUNKS: tl.constexpr,
+                BLOCK_N: tl.constexpr, T_PAD: tl.constexpr, EXPERTS: tl.constexpr, SCAN: tl.constexpr,
+                REDUCE_ONCE: tl.constexpr):
+    # Program (pid_n, pid_r) computes output rows [pid_n * BLOCK_N, +BLOCK_N) for a set of
+    # activation rows, T_PAD at a time: plain, the pid_r-th group of T_PAD rows; experts with
+    # SCAN > 0 (a power of two >= n_rows), every row whose expert is that of row pid_r, if pid_r is
+    # the first row with that expert (other programs have nothing to do); experts with SCAN == 0,
+    # row pid_r alone.
+    pid_n = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_out
+    # rows past n_out read row 0 (always in bounds); their results are not stored
+    row_w = tl.where(mask_n, offs_n, 0).to(tl.int64) * row_words
+    t_idx = tl.arange(0, T_PAD)
+    if EXPERTS:
+        e = tl.load(ids_ptr + pid_r)
+        # an id out of range reads expert 0 (in bounds) and yields NaN rows
+        in_range = (e >= 0) & (e < n_experts)
+        row_w += tl.where(in_range, e, 0).to(tl.int64) * expert_words
+        if SCAN > 0:
+            idx = tl.arange(0, SCAN)
+            same = (tl.load(ids_ptr + idx, mask=idx < n_rows, other=0) == e) & (idx < n_rows)
+            owner = tl.sum((same & (idx < pid_r)).to(tl.int32), axis=0) == 0
+            last = tl.where(owner, tl.sum(same.to(tl.int32), axis=0), 0)
+            rank = tl.cumsum(same.to(tl.int32), axis=0) - 1  # [SCAN]: place of each matching row
+        else:
+            last = 1
+    else:
+        last = tl.minimum(T_PAD, n_rows - pid_r * T_PAD)
+    k_in = _value_index(QTYPE, A, B, C)
+    # A while loop with a data-dependent bound: triton 3.6's interpreter cannot take a tensor
+    # as a range() bound under numpy >= 2.4 (triton-lang/triton#9171); while loops it can.
+    c = 0
+    while c < last:
+        if EXPERTS:
+            if SCAN > 0:
+                pick = same[None, :] & (rank[None, :] == (c + t_idx)[:, None])  # [T_PAD, SCAN]
+                rows = tl.sum(tl.where(pick, idx[None, :], 0), axis=1)
+            else:
+                rows = pid_r + t_idx
+        else:
+            rows = pid_r * T_PAD + t_idx
+        acc = tl.zeros([T_PAD, BLOCK_N], dtype=tl.float32)
+        if REDUCE_ONCE:
+            # one activation row: sum the products elementwise over the chunks, reduce once
+            tl.static_assert(T_PAD == 1)
+            tok = tl.sum(rows, axis=0)
+            acc4 = tl.zeros([BLOCK_N, A, B, C], dtype=tl.float32)
+            for kc in range(0, N_CHUNKS):
+                w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
+                k = kc * (A * B * C) + k_in
+                xt = tl.load(x_ptr + tok.to(tl.int64) * stride_x + k, mask=k < n_in, other=0.0)
+                acc4 += w * xt[None, :, :, :]
+            acc += tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1)[None, :]
+        else:
+            for kc in range(0, N_CHUNKS):
+                acc = _chunk_products(acc, QTYPE, wv, lut_ptr, row_w, kc, n_blocks, x_ptr, rows, c, last,
+                                      n_in, stride_x, k_in, A, B, C, T_PAD)
+        if EXPERTS:
+            acc = tl.where(in_range, acc, float("nan"))
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :], acc,
+                 mask=((c + t_idx) < last)[:, None] & mask_n[None, :])
+        c += T_PAD
+
+
+def _packed_grid(grid: np.ndarray) -> np.ndarray:
+    # each row's four small integers as the bytes of one int32 (entry j in bits 8j .. 8j + 7)
+    g = grid.astype(np.uint32)
+    return (g[:, 0] | g[:, 1] << 8 | g[:, 2] << 16 | g[:, 3] << 24).view(np.int32)
+
+
+@dataclass(frozen=True)
+class _Format:
+    word: torch.dtype  # the unit the kernel loads: int32 where every field is 4-byte aligned
+    tile: tuple[int, int, int]  # decoded tile [BLOCK_N, *tile] per chunk
+    blocks_per_chunk: int
+    lut: "np.ndarray | None"
+
+
+_FORMATS: dict[GGMLType, _Format] = {
+    GGMLType.Q8_0: _Format(torch.int16, (8, 16, 2), 8, None),
+    GGMLType.IQ4_XS: _Format(torch.int32, (8, 4, 8), 1, tables.KVALUES_IQ4NL),
+    GGMLType.IQ3_S: _Format(torch.int16, (32, 2, 4), 1, _packed_grid(tables.IQ3S_GRID)),
+    GGMLType.IQ4_NL: _Format(torch.int16, (8, 8, 4), 8, tables.KVALUES_IQ4NL),
+    GGMLType.Q6_K: _Format(torch.int16, (32, 2, 4), 1, None),
+}
+SUPPORTED = frozenset(_FORMATS)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch parameters: output rows per program, warps per program, and
+    activation rows per program (``t_pad``; None: as many as the call has,
+    up to eight). With one activation row per program, the products are
+    summed elementwise and reduced once at the end (cheaper than reducing
+    every chunk); with more, each weight tile is decoded once for all."""
+    block_n: int = 16
+    num_warps: int = 4
+    t_pad: "int | None" = None
+
+
+# Measured on an H200 (bench/kernels.py --tune): Q8_0's decoded tile is cheap but its
+# per-chunk reductions are not, so one activation row per program (the weights read again
+# for each row, mostly from L2) beat groups of rows by 1.3-1.5x at T = 4; IQ4_XS gained from
+# groups (56 against 75 us for 10 experts of 512 x 2560 at T = 4).
+_ROWS_PER_PROGRAM: dict[GGMLType, "int | None"] = {GGMLType.Q8_0: 1}
+
+# Expert rows that one program scans for those sharing its expert; calls with more rows give
+# each row its own program (the weights of an expert are then read once per row).
+MAX_SCAN = 1024
+
+_luts: dict[tuple[GGMLType, torch.device], Tensor] = {}
+
+
+def _lut(qtype: GGMLType, fmt: _Format, like: Tensor) -> Tensor:
+    if fmt.lut is None:
+        return like  # never read
+    key = (qtype, like.device)
+    t = _luts.get(key)
+    if t is None:
+        t = torch.tensor(np.asarray(fmt.lut).reshape(-1), device=like.device)
+        _luts[key] = t
+    return t
+
+
+def _words(w: Tensor, word: torch.dtype) -> Tensor:
+    size = torch.empty(0, dtype=word).element_size()
+    if w.data_ptr() % size:
+        w = w.clone()  # torch allocations are aligned; a view into a mapped file may not be
+    return w.view(word)
+
+
+def _launch(w: Tensor, qtype: GGMLType, x: Tensor, y: Tensor, ids: "Tensor | None", config: "Config | None") -> None:
+    fmt = _FORMATS[qtype]
+    values, size = BLOCK_GEOMETRY[qtype]
+    n_out, row_bytes = w.shape[-2], w.shape[-1]
+    n_rows = x.shape[0]
+    n_blocks = row_bytes // size
+    cfg = config or Config(t_pad=_ROWS_PER_PROGRAM.get(qtype))
+    t_pad = cfg.t_pad or min(MAX_T_PAD, triton.next_power_of_2(n_rows))
+    if ids is None:
+        grid_r, scan = triton.cdiv(n_rows, t_pad), 0
+    else:
+        scan = triton.next_power_of_2(n_rows) if n_rows <= MAX_SCAN else 0
+        grid_r = n_rows
+        if scan == 0:
+            t_pad = 1
+    wv = _words(w, fmt.word)
+    word = wv.element_size()
+    a, b, c = fmt.tile
+    _qmm_kernel[(triton.cdiv(n_out, cfg.block_n), grid_r)](
+        wv, _lut(qtype, fmt, w), x, y, y if ids is None else ids,
+        n_rows, n_out, row_bytes // size * values, n_blocks, row_bytes // word, n_out * row_bytes // word,
+        w.shape[0] if ids is not None else 1, x.stride(0), y.stride(0),
+        QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
+        BLOCK_N=cfg.block_n, T_PAD=t_pad, EXPERTS=ids is not None, SCAN=scan, REDUCE_ONCE=t_pad == 1,
+        num_warps=cfg.num_warps)
+
+
+def mul_mat(w: Tensor, qtype: GGMLType, x: Tensor, config: "Config | None" = None) -> Tensor:
+    """``x @ dequantize(w).T`` for checked inputs (see :func:`fle_engine.kernels.mul_mat`):
+    w uint8 ``[n_out, row_bytes]`` contiguous, x float32 ``[T, n_in]`` contiguous."""
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    if y.numel():
+        _launch(w, qtype, x, y, None, config)
+    return y
+
+
+def mul_mat_experts(w: Tensor, qtype: GGMLType, x: Tensor, expert_ids: Tensor,
+                    config: "Config | None" = None) -> Tensor:
+    """Row ``t`` is ``x[t] @ dequantize(w[expert_ids[t]]).T`` for checked inputs: w uint8
+    ``[E, n_out, row_bytes]`` contiguous, x float32 ``[T, n_in]`` contiguous, expert_ids int64
+    ``[T]``. Rows whose id is outside ``[0, E)`` come out NaN."""
+    y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
+    if y.numel():
+        _launch(w, qtype, x, y, expert_ids, config)
+    return y
