@@ -50,9 +50,9 @@ class _Triton:
         return triton_quant.mul_mat(w, qtype, x)
 
     @staticmethod
-    def mul_mat_experts(w, qtype, x, expert_ids):
+    def mul_mat_experts(w, qtype, x, expert_ids, out=None):
         from . import triton_quant
-        return triton_quant.mul_mat_experts(w, qtype, x, expert_ids)
+        return triton_quant.mul_mat_experts(w, qtype, x, expert_ids, out=out)
 
 
 _REFERENCE = Impl(reference.mul_mat, reference.mul_mat_experts)
@@ -136,14 +136,18 @@ def mul_mat(w: Tensor, qtype, x: Tensor, impl: str = "auto") -> Tensor:
     return fn(w, qtype, x)
 
 
-def mul_mat_experts(w: Tensor, qtype, x: Tensor, expert_ids: Tensor, impl: str = "auto") -> Tensor:
+def mul_mat_experts(w: Tensor, qtype, x: Tensor, expert_ids: Tensor, impl: str = "auto",
+                    out: "Tensor | None" = None) -> Tensor:
     """Row ``t`` of the result is ``x[t] @ dequantize(w[expert_ids[t]]).T``.
 
     ``w``: uint8 ``[E, n_out, row_bytes]`` (a stacked expert tensor's raw
     bytes); ``x``: float ``[T, n_in]``; ``expert_ids``: int64 ``[T]`` on the
     same device. Returns float32 ``[T, n_out]``. The fast form neither reads
     the ids on the host nor changes shape with them; an id outside ``[0, E)``
-    gives a NaN row there (the reference raises)."""
+    gives a NaN row there (the reference raises). With ``out`` (float32
+    ``[T, n_out]``, written in place and returned), rows with a negative id
+    are skipped: two calls over two weight stores (device slots, host
+    memory) fill one output without a host sync."""
     qtype = parse_type(qtype)
     _check_rows(w, qtype, x, 2)
     if expert_ids.dim() != 1 or expert_ids.shape[0] != x.shape[0] or expert_ids.dtype != torch.int64:
@@ -153,4 +157,9 @@ def mul_mat_experts(w: Tensor, qtype, x: Tensor, expert_ids: Tensor, impl: str =
         raise FleError(f"expert_ids are on {expert_ids.device} but activations on {x.device}")
     fn = _pick(qtype, impl, x.device).mul_mat_experts
     w, x = _prepared(w, x)
+    if out is not None:
+        if out.dtype != torch.float32 or tuple(out.shape) != (x.shape[0], w.shape[1]) or not out.is_contiguous():
+            raise FleError(f"out must be contiguous float32 [{x.shape[0]}, {w.shape[1]}], "
+                           f"got {out.dtype} {tuple(out.shape)}")
+        return fn(w, qtype, x, expert_ids.contiguous(), out=out)
     return fn(w, qtype, x, expert_ids.contiguous())

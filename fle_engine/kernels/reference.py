@@ -34,16 +34,19 @@ def mul_mat(w: Tensor, qtype: GGMLType, x: Tensor) -> Tensor:
     return x.float() @ dequantize_weights(w, qtype).T
 
 
-def mul_mat_experts(w: Tensor, qtype: GGMLType, x: Tensor, expert_ids: Tensor) -> Tensor:
+def mul_mat_experts(w: Tensor, qtype: GGMLType, x: Tensor, expert_ids: Tensor,
+                    out: "Tensor | None" = None) -> Tensor:
     """Row ``t`` of the result is ``x[t] @ dequantize(w[expert_ids[t]]).T``:
-    w uint8 ``[E, n_out, row_bytes]``, x ``[T, n_in]``, expert_ids ``[T]``."""
+    w uint8 ``[E, n_out, row_bytes]``, x ``[T, n_in]``, expert_ids ``[T]``.
+    With ``out`` (written in place), rows with a negative id are skipped."""
     ids = expert_ids.detach().cpu().numpy()
     n_exp = w.shape[0]
-    if ids.size and (ids.min() < 0 or ids.max() >= n_exp):
-        raise FleError(f"expert ids must lie in [0, {n_exp}); got values from {ids.min()} to {ids.max()}")
+    check = ids[ids >= 0] if out is not None else ids
+    if check.size and (check.min() < 0 or check.max() >= n_exp):
+        raise FleError(f"expert ids must lie in [0, {n_exp}); got values from {check.min()} to {check.max()}")
     xf = x.float()
-    y = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
-    for e in np.unique(ids):
+    y = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device) if out is None else out
+    for e in np.unique(check):
         rows = torch.from_numpy(np.flatnonzero(ids == e)).to(x.device)
         y[rows] = xf[rows] @ dequantize_weights(w[int(e)], qtype).T
     return y

@@ -228,7 +228,7 @@ def _qmm_kernel(wv, lut_ptr, x_ptr, y_ptr, ids_ptr,
                 n_rows, n_out, n_in, n_blocks, row_words, expert_words, n_experts, stride_x, stride_y,
                 QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, N_CHUNKS: tl.constexpr,
                 BLOCK_N: tl.constexpr, T_PAD: tl.constexpr, EXPERTS: tl.constexpr, SCAN: tl.constexpr,
-                REDUCE_ONCE: tl.constexpr):
+                REDUCE_ONCE: tl.constexpr, SKIP_NEGATIVE: tl.constexpr = False):
     # Program (pid_n, pid_r) computes output rows [pid_n * BLOCK_N, +BLOCK_N) for a set of
     # activation rows, T_PAD at a time: plain, the pid_r-th group of T_PAD rows; experts with
     # SCAN > 0 (a power of two >= n_rows), every row whose expert is that of row pid_r, if pid_r is
@@ -254,6 +254,9 @@ def _qmm_kernel(wv, lut_ptr, x_ptr, y_ptr, ids_ptr,
             rank = tl.cumsum(same.to(tl.int32), axis=0) - 1  # [SCAN]: place of each matching row
         else:
             last = 1
+        if SKIP_NEGATIVE:
+            # a negative id names no expert: the row is left as the caller's output holds it
+            last = tl.where(e >= 0, last, 0)
     else:
         last = tl.minimum(T_PAD, n_rows - pid_r * T_PAD)
     k_in = _value_index(QTYPE, A, B, C)
@@ -359,7 +362,8 @@ def _words(w: Tensor, word: torch.dtype) -> Tensor:
     return w.view(word)
 
 
-def _launch(w: Tensor, qtype: GGMLType, x: Tensor, y: Tensor, ids: "Tensor | None", config: "Config | None") -> None:
+def _launch(w: Tensor, qtype: GGMLType, x: Tensor, y: Tensor, ids: "Tensor | None", config: "Config | None",
+            skip_negative: bool = False) -> None:
     fmt = _FORMATS[qtype]
     values, size = BLOCK_GEOMETRY[qtype]
     n_out, row_bytes = w.shape[-2], w.shape[-1]
@@ -383,7 +387,7 @@ def _launch(w: Tensor, qtype: GGMLType, x: Tensor, y: Tensor, ids: "Tensor | Non
         w.shape[0] if ids is not None else 1, x.stride(0), y.stride(0),
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
         BLOCK_N=cfg.block_n, T_PAD=t_pad, EXPERTS=ids is not None, SCAN=scan, REDUCE_ONCE=t_pad == 1,
-        num_warps=cfg.num_warps)
+        SKIP_NEGATIVE=skip_negative, num_warps=cfg.num_warps)
 
 
 def mul_mat(w: Tensor, qtype: GGMLType, x: Tensor, config: "Config | None" = None) -> Tensor:
@@ -396,11 +400,12 @@ def mul_mat(w: Tensor, qtype: GGMLType, x: Tensor, config: "Config | None" = Non
 
 
 def mul_mat_experts(w: Tensor, qtype: GGMLType, x: Tensor, expert_ids: Tensor,
-                    config: "Config | None" = None) -> Tensor:
+                    config: "Config | None" = None, out: "Tensor | None" = None) -> Tensor:
     """Row ``t`` is ``x[t] @ dequantize(w[expert_ids[t]]).T`` for checked inputs: w uint8
     ``[E, n_out, row_bytes]`` contiguous, x float32 ``[T, n_in]`` contiguous, expert_ids int64
-    ``[T]``. Rows whose id is outside ``[0, E)`` come out NaN."""
-    y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
+    ``[T]``. Rows whose id is outside ``[0, E)`` come out NaN; with ``out`` (float32
+    ``[T, n_out]``, written in place), rows with a negative id are skipped instead."""
+    y = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device) if out is None else out
     if y.numel():
-        _launch(w, qtype, x, y, expert_ids, config)
+        _launch(w, qtype, x, y, expert_ids, config, skip_negative=out is not None)
     return y
