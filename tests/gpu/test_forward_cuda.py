@@ -132,3 +132,23 @@ def test_cuda_expert_cache_equals_resident(tmp_path, arch):
     got = torch.cat([cached.forward([t], st_b) for t in toks]).cpu().numpy()
     assert rel_err(got, want) < 1e-4
     assert all(0 < s.stats.hits < s.stats.requests for s in stores.values() if s.stats.requests)
+
+
+def test_cuda_quant_cache_equals_resident(tmp_path):
+    """Quantized slots on the GPU, misses read by the kernels from pinned host memory."""
+    pytest.importorskip("triton")
+    from fle_engine.quant_cache import attach_quant_cache
+
+    path = make_model(tmp_path / "q.gguf", "qwen3moe", mix=[(r"_exps\.weight$", "IQ4_XS"), (r"ffn_gate_inp", "F32"),
+                                                            (r".", "Q8_0")], routing_skew=1.0)
+    resident = fle_engine.load(path, device="cuda", experts="resident")
+    cached = fle_engine.load(path, device="cuda", experts="stream")
+    stores = attach_quant_cache(cached, slots=3)
+    toks = tokens(48, resident.n_vocab, seed=5)
+    st_a, st_b = resident.new_state(48), cached.new_state(48)
+    want = torch.cat([resident.forward([t], st_a) for t in toks]).cpu().numpy()
+    got = torch.cat([cached.forward([t], st_b) for t in toks]).cpu().numpy()
+    for s in stores.values():
+        s.update()
+    assert rel_err(got, want) < 1e-4
+    assert 0 < sum(s.hits for s in stores.values()) < sum(s.requests for s in stores.values())
