@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from fle_quant.errors import FleError
