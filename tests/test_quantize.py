@@ -151,6 +151,11 @@ def test_round_trip(qtype):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((64, ROW)).astype(np.float32)
     imatrix = rng.random(ROW).astype(np.float32) + 0.1
+    if qtype in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
+        # ggml would use the importance here and FLE's encoders cannot: refused, not ignored
+        with pytest.raises(FleError, match="importance matrix"):
+            quantize(x, qtype, imatrix)
+        imatrix = None
     for im in (None, imatrix):
         q = quantize(x, qtype, im)
         assert q.dtype == np.uint8 and q.shape == (64, ROW // BLOCK_GEOMETRY[qtype][0] * BLOCK_GEOMETRY[qtype][1])

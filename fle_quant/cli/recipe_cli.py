@@ -223,8 +223,10 @@ def _step_plan(r: Recipe, models: str, work: str) -> list[str]:
                        f"{_v(step.from_type)} to {step.to_type} "
                        f"({_v(step.tensors_changed)} of {_v(step.tensors_total)} tensors; "
                        f"imatrix {_v(step.imatrix)})")
+            imatrix = ([f"--imatrix {shlex.quote(step.imatrix)}"]
+                       if is_known(step.imatrix) and step.imatrix.strip().lower() not in ("", "none") else [])
             out += _cmd("requant", [src, f"--tensors {shlex.quote(step.tensors)}", f"--type {step.to_type}",
-                                    f"-o {dst}"])
+                                    *imatrix, f"-o {dst}"])
             if not is_known(step.output):
                 out.append(f"    release file name {_U}; the name above is chosen by this plan")
             if is_known(step.draft_vocab):

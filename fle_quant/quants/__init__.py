@@ -43,11 +43,17 @@ def can_quantize(qtype) -> bool:
     return parse_type(qtype) in QUANTIZERS
 
 
+_IMATRIX_NOT_SUPPORTED = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1})
+
+
 def quantize(x: np.ndarray, qtype, imatrix: np.ndarray | None = None) -> np.ndarray:
     """Encode float32 rows (last axis = row) to raw bytes of ``qtype``.
 
     ``imatrix`` (one importance per column, length = row length) is used by
-    the types whose ggml quantizer uses one; the others ignore it."""
+    IQ4_NL, IQ4_XS, Q6_K, IQ3_XXS and IQ3_S as ggml uses it, and ignored by
+    the types ggml also quantizes without one. For Q4_0, Q4_1, Q5_0 and Q5_1
+    ggml uses it but FLE's encoders (gguf-py's) cannot: an importance matrix
+    there is an error rather than bytes that silently differ from ggml's."""
     qtype = parse_type(qtype)
     fn = QUANTIZERS.get(qtype)
     if fn is None:
@@ -60,6 +66,9 @@ def quantize(x: np.ndarray, qtype, imatrix: np.ndarray | None = None) -> np.ndar
     n_per_row = x.shape[-1]
     rows = np.ascontiguousarray(x).reshape(-1, n_per_row)
     if imatrix is not None:
+        if qtype in _IMATRIX_NOT_SUPPORTED:
+            raise FleError(f"{qtype.name}: FLE quantizes it without an importance matrix, where ggml would use "
+                           "one; quantize without the imatrix or to an IQ / K type")
         imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
         if imatrix.shape != (n_per_row,):
             raise FleError(f"importance matrix has shape {imatrix.shape}, expected ({n_per_row},)")
