@@ -19,6 +19,18 @@ from fle_quant.errors import FleError
 _DESCRIPTION = "Run a GGUF model with FLE's engine (torch)."
 
 
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """Device, threads and MTP drafting, shared by generate and serve."""
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    p.add_argument("--mtp", action="store_true",
+                   help="speculative decoding with the model's MTP head (inside the model file, or --mtp-head): "
+                        "same tokens, fewer trunk steps when drafts are right")
+    p.add_argument("--mtp-head", default=None, metavar="FILE", help="a separate MTP-head GGUF (implies --mtp)")
+    p.add_argument("--draft-max", type=int, default=2, dest="draft_max",
+                   help="with --mtp: tokens drafted ahead per trunk call (default: 2)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fle-engine", description=_DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -42,15 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.05,
                    help="drop tokens below this fraction of the top probability; 0 = off (default: 0.05)")
     g.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: a random one)")
-    g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     g.add_argument("--special", action="store_true", help="print control tokens' text too")
-    g.add_argument("--mtp", action="store_true",
-                   help="speculative decoding with the model's MTP head (inside the model file, or --mtp-head): "
-                        "same tokens, fewer trunk steps when drafts are right")
-    g.add_argument("--mtp-head", default=None, metavar="FILE", help="a separate MTP-head GGUF (implies --mtp)")
-    g.add_argument("--draft-max", type=int, default=2, dest="draft_max",
-                   help="with --mtp: tokens drafted ahead per trunk call (default: 2)")
+    _add_run_options(g)
 
     s = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server, as llama.cpp's llama-server",
@@ -66,14 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("-c", "--ctx-size", type=int, default=None, dest="ctx_size", metavar="N",
                    help="context size in tokens, prompt and answer together; 0 = the model's own "
                         "(default: the model's, at most 8192)")
-    s.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    s.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
-    s.add_argument("--mtp", action="store_true",
-                   help="speculative decoding with the model's MTP head (inside the model file, or --mtp-head): "
-                        "same tokens, fewer trunk steps when drafts are right")
-    s.add_argument("--mtp-head", default=None, metavar="FILE", help="a separate MTP-head GGUF (implies --mtp)")
-    s.add_argument("--draft-max", type=int, default=2, dest="draft_max",
-                   help="with --mtp: tokens drafted ahead per trunk call (default: 2)")
+    _add_run_options(s)
     s.add_argument("-a", "--alias", default=None, metavar="NAME",
                    help="model name in responses and /v1/models (default: the file name)")
     return p

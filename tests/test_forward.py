@@ -11,6 +11,9 @@ import copy
 import numpy as np
 import pytest
 
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 torch = pytest.importorskip("torch")
 
 import fle_engine  # noqa: E402
@@ -24,13 +27,6 @@ from fle_quant.synth import make_model  # noqa: E402
 ARCHS = ("qwen3moe", "qwen3next")
 N_TOKENS = 100  # crosses a 64-token GDN chunk boundary
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.reference
+pytestmark = [pytest.mark.reference, pytest.mark.usefixtures("one_torch_thread")]
 
 llama_cpp = pytest.importorskip("llama_cpp")
 torch = pytest.importorskip("torch")
@@ -37,13 +37,6 @@ KLD_MAX = {("qwen3moe", "f32"): 1e-3, ("qwen3next", "f32"): 1e-3,
 KLD_EXACT = 1e-3
 TOP1_MIN = 0.99
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def llama_logits(path, toks, one_by_one=False):

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.reference
+pytestmark = [pytest.mark.reference, pytest.mark.usefixtures("one_torch_thread")]
 
 torch = pytest.importorskip("torch")
 
@@ -54,13 +54,6 @@ KLD_DISTINCT = 1e-2  # head against trunk logits: a head that ran differs by mor
 def llama_mtp_dump(llama_program) -> Path:
     return llama_program("llama_mtp_dump.cpp", "llama-mtp-dump", common=False)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def run_dump(exe: Path, path: Path, toks: list[int], out: Path) -> dict[str, np.ndarray]:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 torch = pytest.importorskip("torch")
 
 import fle_engine  # noqa: E402
@@ -22,13 +25,6 @@ N_TOKENS = 48          # > indexer budget 16 + a few blocks: sparse selection ha
 EOS_AT = (5, 12, 13, 30)
 SMALL = dict(expert_feed_forward_length=64, expert_shared_feed_forward_length=64)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("aiohttp")
 
@@ -44,14 +47,6 @@ from fle_quant.synth import make_model  # noqa: E402
 GREEDY = SamplerParams(temp=0.0, seed=0)
 N_CTX = 128
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # one thread: OpenMP threads that wait on each other crawl on a busy two-core machine
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
