@@ -173,3 +173,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def exact_float32():
+    """CUDA matmuls in full float32 for a test module: TF32 would round
+    their inputs to 10 mantissa bits, beyond the float32 bounds the tests
+    hold results to. Restored afterwards."""
+    torch = pytest.importorskip("torch")
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old

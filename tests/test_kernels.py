@@ -33,6 +33,7 @@ from fle_quant.quants import quantize  # noqa: E402
 from fle_quant.quants.dequant import FP16_SCALE_OFFSETS  # noqa: E402
 from test_dequant import random_blocks  # noqa: E402  (blocks with adversarial fp16 scales)
 
+pytestmark = pytest.mark.usefixtures("exact_float32")
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 FAST = (GGMLType.Q8_0, GGMLType.IQ4_XS, GGMLType.IQ3_S, GGMLType.IQ4_NL, GGMLType.Q6_K)
 
@@ -43,14 +44,6 @@ def triton_quant():
     from fle_engine.kernels import triton_quant
     return triton_quant
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _exact_float32():
-    # TF32 would round the reference matmul's inputs to 10 mantissa bits
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def n_in_for(qtype: GGMLType) -> int:

@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_float32")]
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
@@ -21,14 +21,6 @@ from fle_quant.synth import make_model  # noqa: E402
 ARCHS = ("qwen3moe", "qwen3next", "qwen4exp")
 N_TOKENS = 160
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _exact_float32():
-    # TF32 would round matmul inputs to 10 mantissa bits; the bounds below are for float32
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 @pytest.fixture(scope="module")
