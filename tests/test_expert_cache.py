@@ -179,3 +179,26 @@ def test_simulate():
     warm = simulate({l: t[:40] for l, t in trace.items()},
                     warm_caches({l: 4 for l in range(3)}, n_expert, CachePolicy(), {l: p for l in range(3)}))
     assert warm.hit_rate > cold.hit_rate
+
+
+def test_synthetic_traces():
+    from fle_engine.expert_cache.traces import fit_trace, hit_curve, synthetic_trace
+
+    t = synthetic_trace(32, 4, 200, zipf=1.0, keep=0.0, layers=2, seed=1)
+    assert set(t) == {0, 1} and t[0].shape == (200, 4)
+    assert all(len(set(row)) == 4 for row in t[0])                 # no expert twice in a step
+    counts = np.bincount(t[0].reshape(-1), minlength=32)
+    assert counts.max() > 4 * np.median(counts)                    # popular experts exist
+    still = synthetic_trace(32, 4, 50, zipf=1.0, keep=1.0)[0]
+    assert (still == still[0]).all()                                # keep everything: the same experts
+    rates = hit_curve(t, 32, [4, 8, 16])
+    assert rates[0] < rates[1] < rates[2]
+    # the fit returns the grid point nearest the curve
+    curve = {8: 0.6, 16: 0.8}
+    z, r, got = fit_trace(curve, n_expert=32, k=4, steps=300, zipfs=(0.5, 1.5), keeps=(0.0, 0.5))
+    errs = {}
+    for zz in (0.5, 1.5):
+        for rr in (0.0, 0.5):
+            g = hit_curve(synthetic_trace(32, 4, 300, zz, rr), 32, [8, 16])
+            errs[(zz, rr)] = (g[0] - 0.6) ** 2 + (g[1] - 0.8) ** 2
+    assert (z, r) == min(errs, key=errs.get)

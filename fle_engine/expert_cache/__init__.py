@@ -1,7 +1,8 @@
 """The GPU expert cache's decisions, separated as measure / decide / apply:
 
-- measure: usage profiles (:mod:`.profile`) and routing traces replayed
-  through the policy (:mod:`.simulate`);
+- measure: usage profiles (:mod:`.profile`), routing traces replayed
+  through the policy (:mod:`.simulate`), synthetic traces fitted to a
+  hit-rate curve (:mod:`.traces`);
 - decide: slots per layer under one byte budget (:mod:`.plan`);
 - apply: per layer and step, which experts hit, which enter and which leave
   (:mod:`.policy`).
