@@ -41,32 +41,36 @@ class ModelArgs:
 
     @classmethod
     def from_weights(cls, w: Weights) -> "ModelArgs":
-        n_embd = int(w.hp("embedding_length"))
-        n_head = int(w.hp("attention.head_count"))
-        head_dim = int(w.hp("attention.key_length", n_embd // n_head))
-        if int(w.hp("attention.value_length", head_dim)) != head_dim:
-            raise FleError(f"{w.path}: {ARCH} needs attention.value_length == attention.key_length")
-        n_rot = int(w.hp("rope.dimension_count", head_dim))
-        if n_rot != head_dim:
+        c = common_hparams(w, ARCH)
+        n_rot = int(w.hp("rope.dimension_count", c["head_dim"]))
+        if n_rot != c["head_dim"]:
             raise FleError(f"{w.path}: {ARCH} rotates the whole head; rope.dimension_count = {n_rot} "
-                           f"differs from the head width {head_dim}")
-        return cls(
-            arch=ARCH,
-            n_vocab=w.gguf.info("token_embd.weight").shape[1],
-            n_layer=int(w.hp("block_count")),
-            n_embd=n_embd,
-            n_head=n_head,
-            n_head_kv=int(w.hp("attention.head_count_kv", n_head)),
-            head_dim=head_dim,
-            n_rot=n_rot,
-            rope_base=float(w.hp("rope.freq_base", 10000.0)),
-            rope_freq_scale=rope_freq_scale(w),
-            eps=float(w.hp("attention.layer_norm_rms_epsilon")),
-            n_expert=int(w.hp("expert_count")),
-            n_expert_used=int(w.hp("expert_used_count")),
-            n_ff_exp=int(w.hp("expert_feed_forward_length")),
-            expert_weights_scale=float(w.hp("expert_weights_scale", 0.0)),
-        )
+                           f"differs from the head width {c['head_dim']}")
+        return cls(arch=ARCH, n_layer=int(w.hp("block_count")), n_rot=n_rot, **c)
+
+
+def common_hparams(w: Weights, arch: str) -> dict:
+    """The hyperparameters every architecture here reads alike (the
+    :class:`ModelArgs` fields but ``arch``, ``n_layer`` and ``n_rot``)."""
+    n_embd = int(w.hp("embedding_length"))
+    n_head = int(w.hp("attention.head_count"))
+    head_dim = int(w.hp("attention.key_length", n_embd // n_head))
+    if int(w.hp("attention.value_length", head_dim)) != head_dim:
+        raise FleError(f"{w.path}: {arch} needs attention.value_length == attention.key_length")
+    return dict(
+        n_vocab=w.gguf.info("token_embd.weight").shape[1],
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=int(w.hp("attention.head_count_kv", n_head)),
+        head_dim=head_dim,
+        rope_base=float(w.hp("rope.freq_base", 10000.0)),
+        rope_freq_scale=rope_freq_scale(w),
+        eps=float(w.hp("attention.layer_norm_rms_epsilon")),
+        n_expert=int(w.hp("expert_count")),
+        n_expert_used=int(w.hp("expert_used_count")),
+        n_ff_exp=int(w.hp("expert_feed_forward_length")),
+        expert_weights_scale=float(w.hp("expert_weights_scale", 0.0)),
+    )
 
 
 def rope_freq_scale(w: Weights) -> float:

@@ -33,30 +33,15 @@ from fle_quant.errors import FleError
 from .. import layers as L
 from ..loader import Weights
 from . import qwen3moe
-from .qwen3moe import load_moe, load_qkv, new_state, param, rope_freq_scale
+from .qwen3moe import common_hparams, load_moe, load_qkv, new_state, param
 
 ARCH = "qwen3next"
 
 
 @dataclass(frozen=True)
-class ModelArgs:
-    arch: str
-    n_vocab: int
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_rot: int
-    rope_base: float
-    rope_freq_scale: float
+class ModelArgs(qwen3moe.ModelArgs):
     attn_scale: float
-    eps: float
-    n_expert: int
-    n_expert_used: int
-    n_ff_exp: int
     n_ff_shexp: int
-    expert_weights_scale: float
     conv_kernel: int
     d_state: int       # GDN head width (keys and values)
     n_k_heads: int
@@ -69,55 +54,36 @@ class ModelArgs:
 
     @classmethod
     def from_weights(cls, w: Weights) -> "ModelArgs":
-        n_embd = int(w.hp("embedding_length"))
-        n_head = int(w.hp("attention.head_count"))
-        head_dim = int(w.hp("attention.key_length", n_embd // n_head))
-        if int(w.hp("attention.value_length", head_dim)) != head_dim:
-            raise FleError(f"{w.path}: {ARCH} needs attention.value_length == attention.key_length")
-        n_layer = int(w.hp("block_count"))
+        c = common_hparams(w, ARCH)
         # a file carrying the MTP block counts it in block_count; the trunk stops before it
-        n_layer -= int(w.hp("nextn_predict_layers", 0))
+        n_layer = int(w.hp("block_count")) - int(w.hp("nextn_predict_layers", 0))
         interval = int(w.hp("full_attention_interval", 4))
         recurrent = w.hp("attention.recurrent_layers", None)
         if recurrent is None:
             recurrent = [(il + 1) % interval != 0 for il in range(n_layer)]
-        d_state = int(w.hp("ssm.state_size"))
-        n_v = int(w.hp("ssm.time_step_rank"))
-        n_k = int(w.hp("ssm.group_count"))
-        if int(w.hp("ssm.inner_size")) != d_state * n_v:
-            raise FleError(f"{w.path}: ssm.inner_size must be ssm.state_size * ssm.time_step_rank")
-        if n_v % n_k:
-            raise FleError(f"{w.path}: ssm.time_step_rank ({n_v} V heads) must be a multiple of "
-                           f"ssm.group_count ({n_k} K heads)")
+        head_dim = c["head_dim"]
         n_rot = int(w.hp("rope.dimension_count", head_dim))
         if n_rot % 2 or n_rot > head_dim:
             raise FleError(f"{w.path}: rope.dimension_count = {n_rot} must be even and at most {head_dim}")
-        n_ff_exp = int(w.hp("expert_feed_forward_length"))
-        scale = float(w.hp("attention.scale", 0.0))
-        return cls(
-            arch=ARCH,
-            n_vocab=w.gguf.info("token_embd.weight").shape[1],
-            n_layer=n_layer,
-            n_embd=n_embd,
-            n_head=n_head,
-            n_head_kv=int(w.hp("attention.head_count_kv", n_head)),
-            head_dim=head_dim,
-            n_rot=n_rot,
-            rope_base=float(w.hp("rope.freq_base", 10000.0)),
-            rope_freq_scale=rope_freq_scale(w),
-            attn_scale=scale if scale != 0.0 else head_dim ** -0.5,
-            eps=float(w.hp("attention.layer_norm_rms_epsilon")),
-            n_expert=int(w.hp("expert_count")),
-            n_expert_used=int(w.hp("expert_used_count")),
-            n_ff_exp=n_ff_exp,
-            n_ff_shexp=int(w.hp("expert_shared_feed_forward_length", 0)) or n_ff_exp,
-            expert_weights_scale=float(w.hp("expert_weights_scale", 0.0)),
-            conv_kernel=int(w.hp("ssm.conv_kernel")),
-            d_state=d_state,
-            n_k_heads=n_k,
-            n_v_heads=n_v,
-            recurrent=tuple(bool(r) for r in recurrent[:n_layer]),
-        )
+        return cls(arch=ARCH, n_layer=n_layer, n_rot=n_rot, recurrent=tuple(bool(r) for r in recurrent[:n_layer]),
+                   **c, **hybrid_hparams(w, head_dim, c["n_ff_exp"]))
+
+
+def hybrid_hparams(w: Weights, head_dim: int, n_ff_exp: int) -> dict:
+    """The attention scale, shared-expert width and gated-delta-net shape
+    that qwen3next and qwen4exp read alike."""
+    d_state = int(w.hp("ssm.state_size"))
+    n_v = int(w.hp("ssm.time_step_rank"))
+    n_k = int(w.hp("ssm.group_count"))
+    if int(w.hp("ssm.inner_size")) != d_state * n_v:
+        raise FleError(f"{w.path}: ssm.inner_size must be ssm.state_size * ssm.time_step_rank")
+    if n_v % n_k:
+        raise FleError(f"{w.path}: ssm.time_step_rank ({n_v} V heads) must be a multiple of "
+                       f"ssm.group_count ({n_k} K heads)")
+    scale = float(w.hp("attention.scale", 0.0))
+    return dict(attn_scale=scale if scale != 0.0 else head_dim ** -0.5,
+                n_ff_shexp=int(w.hp("expert_shared_feed_forward_length", 0)) or n_ff_exp,
+                conv_kernel=int(w.hp("ssm.conv_kernel")), d_state=d_state, n_k_heads=n_k, n_v_heads=n_v)
 
 
 class GatedAttention(nn.Module):

@@ -47,37 +47,18 @@ from fle_quant.errors import FleError
 
 from .. import layers as L
 from ..loader import Weights
-from . import qwen3moe
-from .qwen3moe import advance, load_qkv, param, rope_freq_scale
+from . import qwen3moe, qwen3next
+from .qwen3moe import advance, common_hparams, load_qkv, param
+from .qwen3next import hybrid_hparams
 
 ARCH = "qwen4exp"
 
 
 @dataclass(frozen=True)
-class ModelArgs:
-    arch: str
-    n_vocab: int
-    n_layer: int           # trunk layers (block_count minus the MTP blocks)
+class ModelArgs(qwen3next.ModelArgs):
+    # n_layer: trunk layers (block_count minus the MTP blocks); recurrent:
+    # per block, MTP blocks included
     n_mtp: int             # nextn_predict_layers
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_rot: int
-    rope_base: float
-    rope_freq_scale: float
-    attn_scale: float
-    eps: float
-    n_expert: int
-    n_expert_used: int
-    n_ff_exp: int
-    n_ff_shexp: int
-    expert_weights_scale: float
-    conv_kernel: int
-    d_state: int
-    n_k_heads: int
-    n_v_heads: int
-    recurrent: tuple[bool, ...]
     hc: int
     hc_rank: int
     idx_heads: int
@@ -95,10 +76,6 @@ class ModelArgs:
     ple_vocab_sizes: tuple[int, ...]
 
     @property
-    def conv_dim(self) -> int:
-        return 2 * self.d_state * self.n_k_heads + self.d_state * self.n_v_heads
-
-    @property
     def ple_heads(self) -> int:
         return (self.ple_ngram - 1) * self.ple_heads_per_ngram
 
@@ -109,11 +86,8 @@ class ModelArgs:
 
     @classmethod
     def from_weights(cls, w: Weights) -> "ModelArgs":
-        n_embd = int(w.hp("embedding_length"))
-        n_head = int(w.hp("attention.head_count"))
-        head_dim = int(w.hp("attention.key_length", n_embd // n_head))
-        if int(w.hp("attention.value_length", head_dim)) != head_dim:
-            raise FleError(f"{w.path}: {ARCH} needs attention.value_length == attention.key_length")
+        c = common_hparams(w, ARCH)
+        n_embd, head_dim = c["n_embd"], c["head_dim"]
         n_all = int(w.hp("block_count"))
         n_mtp = int(w.hp("nextn_predict_layers", 0))
         n_layer = n_all - n_mtp
@@ -127,12 +101,6 @@ class ModelArgs:
                            f"block_count needs {n_layer}")
         compress = [int(c) for c in w.hp("attention.compress_ratios", [0] * n_all)]
         compress += [0] * (n_all - len(compress))
-        d_state = int(w.hp("ssm.state_size"))
-        n_v, n_k = int(w.hp("ssm.time_step_rank")), int(w.hp("ssm.group_count"))
-        if int(w.hp("ssm.inner_size")) != d_state * n_v:
-            raise FleError(f"{w.path}: ssm.inner_size must be ssm.state_size * ssm.time_step_rank")
-        if n_v % n_k:
-            raise FleError(f"{w.path}: ssm.time_step_rank ({n_v}) must be a multiple of ssm.group_count ({n_k})")
         n_rot = int(w.hp("rope.dimension_count", head_dim))
         idx_dim = int(w.hp("attention.indexer.key_length"))
         if n_rot % 2 or n_rot > min(head_dim, idx_dim):
@@ -166,21 +134,11 @@ class ModelArgs:
                        ple_conv_kernel=int(w.hp("ple.conv_kernel")), ple_eos=int(w.hp("ple.eos_token_id")),
                        ple_head_dim=head_dim_ple, ple_multipliers=tuple(mult[:ngram]),
                        ple_offsets=tuple(offs[:n_heads]), ple_vocab_sizes=tuple(sizes[:n_heads]))
-        scale = float(w.hp("attention.scale", 0.0))
-        n_ff_exp = int(w.hp("expert_feed_forward_length"))
         return cls(
-            arch=ARCH, n_vocab=w.gguf.info("token_embd.weight").shape[1], n_layer=n_layer, n_mtp=n_mtp,
-            n_embd=n_embd, n_head=n_head, n_head_kv=int(w.hp("attention.head_count_kv", n_head)),
-            head_dim=head_dim, n_rot=n_rot, rope_base=float(w.hp("rope.freq_base", 10000.0)),
-            rope_freq_scale=rope_freq_scale(w), attn_scale=scale if scale != 0.0 else head_dim ** -0.5,
-            eps=float(w.hp("attention.layer_norm_rms_epsilon")), n_expert=int(w.hp("expert_count")),
-            n_expert_used=int(w.hp("expert_used_count")), n_ff_exp=n_ff_exp,
-            n_ff_shexp=int(w.hp("expert_shared_feed_forward_length", 0)) or n_ff_exp,
-            expert_weights_scale=float(w.hp("expert_weights_scale", 0.0)),
-            conv_kernel=int(w.hp("ssm.conv_kernel")), d_state=d_state, n_k_heads=n_k, n_v_heads=n_v,
-            recurrent=tuple(recurrent), hc=hc, hc_rank=int(w.hp("hyper_connection.low_rank")),
-            idx_heads=int(w.hp("attention.indexer.head_count")), idx_dim=idx_dim,
-            idx_top_k=int(w.hp("attention.indexer.top_k")), compress=tuple(compress), **ple)
+            arch=ARCH, n_layer=n_layer, n_mtp=n_mtp, n_rot=n_rot, recurrent=tuple(recurrent), hc=hc,
+            hc_rank=int(w.hp("hyper_connection.low_rank")), idx_heads=int(w.hp("attention.indexer.head_count")),
+            idx_dim=idx_dim, idx_top_k=int(w.hp("attention.indexer.top_k")), compress=tuple(compress),
+            **c, **hybrid_hparams(w, head_dim, c["n_ff_exp"]), **ple)
 
 
 @dataclass
