@@ -162,17 +162,27 @@ def llama_program(llama_src, llama_build):
     return program
 
 
+def _torch_threads(n: int):
+    torch = pytest.importorskip("torch")
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """torch on one thread for a whole test module, restored afterwards:
     OpenMP threads that wait on each other crawl on a busy two-core machine,
     and one thread keeps float results independent of the thread count.
     Modules ask for it with ``pytest.mark.usefixtures("one_torch_thread")``."""
-    torch = pytest.importorskip("torch")
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    yield from _torch_threads(1)
+
+
+@pytest.fixture(scope="module")
+def two_torch_threads():
+    """torch on two threads (the CI machine's cores) for a whole test module."""
+    yield from _torch_threads(2)
 
 
 @pytest.fixture(scope="module")

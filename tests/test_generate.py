@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 torch = pytest.importorskip("torch")
 
 import fle_engine  # noqa: E402
@@ -25,13 +26,6 @@ from fle_quant.synth import make_model  # noqa: E402
 
 GREEDY = SamplerParams(temp=0.0, seed=0)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _two_threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -291,6 +291,7 @@ def test_identical_logits_give_zero_kld(tmp_path):
 
 # ---------------------------------------------------------------- fle-kld on factory models
 
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 torch = pytest.importorskip("torch")
 fle_engine = pytest.importorskip("fle_engine")
 
@@ -298,13 +299,6 @@ from fle_engine import kld_run  # noqa: E402
 from fle_quant.cli.kld_cli import main as kld_main  # noqa: E402
 from fle_quant.synth import make_model  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _two_threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

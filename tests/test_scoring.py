@@ -7,12 +7,12 @@ a qwen4exp model is scored under its block index; bad input exits 2."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
@@ -20,29 +20,15 @@ from fle_quant.cli.reap_cli import main as reap_main  # noqa: E402
 from fle_quant.errors import FleError  # noqa: E402
 from fle_quant.prune import load_scores, parse_scores, prune  # noqa: E402
 from fle_quant.scoring import score  # noqa: E402
+from textgen import write_text  # noqa: E402  (this folder's helper)
 from fle_quant.synth import make_model, mtp_path  # noqa: E402
 
 SEED = 5
 N_TOKENS = 256
 CTX = 128
 N_EXPERT, N_USED, KEEP = 8, 2, 4
-WORDS = ("the model reads a file of tensors and writes another one each layer has a router experts and a "
-         "shared expert quantization stores weights in small blocks with one scale per block while the "
-         "engine reads only what it needs numbers such as 2048 512 and 10 are sizes").split()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
-
-
-def write_text(path: Path, n_words: int, seed: int) -> Path:
-    rng = random.Random(seed)
-    path.write_text(" ".join(rng.choice(WORDS) for _ in range(n_words)) + "\n", encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,13 @@ input exits 2 with one line."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
@@ -24,33 +24,19 @@ from fle_quant.gguf_reader import GGUFModel  # noqa: E402
 from fle_quant.select import load_selection, parse_table, select_for_target  # noqa: E402
 from fle_quant.sensitivity import measure, provenance_reserve  # noqa: E402
 from fle_quant.splice import splice  # noqa: E402
+from textgen import write_text  # noqa: E402  (this folder's helper)
 from fle_quant.synth import make_model  # noqa: E402
 
 SEED = 3
 N_TOKENS = 256
 CTX = 128          # two windows
 DONOR_TYPES = ("Q8_0", "IQ4_NL", "IQ3_S")
-WORDS = ("the model reads a file of tensors and writes another one each layer has a router experts and a "
-         "shared expert quantization stores weights in small blocks with one scale per block while the "
-         "engine reads only what it needs numbers such as 2048 512 and 10 are sizes").split()
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
 
 
 def expert_mix(qtype: str):
     return [(r"ffn_(gate|up|down)_exps", qtype)]
 
-
-def write_text(path: Path, n_words: int = 2500, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    path.write_text(" ".join(rng.choice(WORDS) for _ in range(n_words)) + "\n", encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")
