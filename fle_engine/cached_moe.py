@@ -119,7 +119,7 @@ class ExpertStore:
         return y.view(n_tok, k, x.shape[1])
 
 
-def _moe_layers(model) -> list[L.MoE]:
+def moe_layers(model) -> list[L.MoE]:
     net = getattr(model, "net", model)
     return [m for m in net.modules() if isinstance(m, L.MoE)]
 
@@ -131,7 +131,7 @@ def attach_expert_cache(model, *, budget_bytes: "int | None" = None, slots: "int
     (default: the model's): ``slots`` per layer, or as many as
     ``budget_bytes`` allows, planned by :func:`plan_slots` (by ``profile``
     when given, which also seeds the counts and fills the slots)."""
-    moes = _moe_layers(model)
+    moes = moe_layers(model)
     if not moes:
         raise FleError("the model has no MoE layers")
     for m in moes:
@@ -151,10 +151,16 @@ def attach_expert_cache(model, *, budget_bytes: "int | None" = None, slots: "int
             size = torch.empty((), dtype=m.router.dtype).element_size()
             sizes[m.layer] = 3 * shape_f * shape_d * size
         plan = plan_slots(int(budget_bytes), sizes, n_expert, profile)
+    return install_stores(moes, lambda m, counts: ExpertStore(m, plan[m.layer], policy, device, counts), profile)
+
+
+def install_stores(moes: list[L.MoE], make, profile: "Mapping[int, np.ndarray] | None") -> dict:
+    """``make(moe, counts)`` -> a store for each MoE layer, warmed with the
+    profile's ranking when there is one, and attached (``moe.store``)."""
     stores = {}
     for m in moes:
         counts = None if profile is None else np.asarray(profile[m.layer], np.float64)
-        st = ExpertStore(m, plan[m.layer], policy, device, counts)
+        st = make(m, counts)
         if counts is not None:
             st.warm(np.argsort(-counts, kind="stable"))
         m.store = st
@@ -163,5 +169,5 @@ def attach_expert_cache(model, *, budget_bytes: "int | None" = None, slots: "int
 
 
 def detach_expert_cache(model) -> None:
-    for m in _moe_layers(model):
+    for m in moe_layers(model):
         m.store = None

@@ -33,6 +33,7 @@ from fle_quant.ggml_types import GGMLType
 
 from . import kernels
 from . import layers as L
+from .cached_moe import install_stores, moe_layers
 from .expert_cache import CachePolicy, LayerCache
 
 __all__ = ["QuantExpertStore", "attach_quant_cache", "PinnedView"]
@@ -142,9 +143,8 @@ class QuantExpertStore:
         n_tok, k = experts.shape
         ids = experts.reshape(-1)
         rows = x.float().repeat_interleave(k, dim=0).contiguous()      # one activation row per (token, expert)
-        slot = self.slot_of[ids]
-        slot_ids = torch.where(slot >= 0, slot, -1)
-        host_ids = torch.where(slot >= 0, -1, ids)
+        slot_ids = self.slot_of[ids]                                   # -1 where not cached: the slot pass skips it
+        host_ids = torch.where(slot_ids >= 0, -1, ids)                 # and the host pass takes it
         g = self._mul(0, rows, slot_ids, host_ids)
         u = self._mul(1, rows, slot_ids, host_ids)
         h = (F.silu(g) * u).contiguous()
@@ -157,17 +157,9 @@ def attach_quant_cache(model, *, slots: int, policy: CachePolicy = CachePolicy()
                        device=None, impl: str = "auto") -> dict[int, QuantExpertStore]:
     """Give every MoE layer of a streamed ``model`` a quantized expert store
     of ``slots`` slots on ``device`` (default: the model's)."""
-    net = getattr(model, "net", model)
-    moes = [m for m in net.modules() if isinstance(m, L.MoE)]
+    moes = moe_layers(model)
     if not moes:
         raise FleError("the model has no MoE layers")
     device = torch.device(device) if device is not None else getattr(model, "device", torch.device("cpu"))
-    stores = {}
-    for m in moes:
-        counts = None if profile is None else np.asarray(profile[m.layer], np.float64)
-        st = QuantExpertStore(m, min(int(slots), m.n_expert), policy, device, counts, impl)
-        if counts is not None:
-            st.warm(np.argsort(-counts, kind="stable"))
-        m.store = st
-        stores[m.layer] = st
-    return stores
+    return install_stores(
+        moes, lambda m, counts: QuantExpertStore(m, min(int(slots), m.n_expert), policy, device, counts, impl), profile)
