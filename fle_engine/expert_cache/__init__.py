@@ -10,11 +10,12 @@
 None of it touches weights or a GPU; the engine moves the expert weights the
 admissions name.
 """
+from .batched import BatchedCache
 from .plan import plan_slots
 from .policy import Admission, CachePolicy, LayerCache
 from .profile import Profile, load_profile, model_fingerprint, profile_from_scores, save_profile
 from .simulate import SimResult, simulate, trace_from_capture, warm_caches
 
-__all__ = ["Admission", "CachePolicy", "LayerCache", "plan_slots", "Profile", "load_profile", "save_profile",
-           "model_fingerprint", "profile_from_scores", "SimResult", "simulate", "trace_from_capture",
+__all__ = ["Admission", "BatchedCache", "CachePolicy", "LayerCache", "plan_slots", "Profile", "load_profile",
+           "save_profile", "model_fingerprint", "profile_from_scores", "SimResult", "simulate", "trace_from_capture",
            "warm_caches"]

@@ -390,10 +390,12 @@ def _launch(w: Tensor, qtype: GGMLType, x: Tensor, y: Tensor, ids: "Tensor | Non
         SKIP_NEGATIVE=skip_negative, num_warps=cfg.num_warps)
 
 
-def mul_mat(w: Tensor, qtype: GGMLType, x: Tensor, config: "Config | None" = None) -> Tensor:
+def mul_mat(w: Tensor, qtype: GGMLType, x: Tensor, config: "Config | None" = None,
+            out: "Tensor | None" = None) -> Tensor:
     """``x @ dequantize(w).T`` for checked inputs (see :func:`fle_engine.kernels.mul_mat`):
-    w uint8 ``[n_out, row_bytes]`` contiguous, x float32 ``[T, n_in]`` contiguous."""
-    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    w uint8 ``[n_out, row_bytes]`` contiguous, x float32 ``[T, n_in]`` contiguous; ``out``
+    (float32 ``[T, n_out]`` with unit column stride) is written in place when given."""
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device) if out is None else out
     if y.numel():
         _launch(w, qtype, x, y, None, config)
     return y

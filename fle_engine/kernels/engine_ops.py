@@ -1,0 +1,166 @@
+"""The engine's decode-step operations, each as a slow obviously-right
+torch reference beside its fast Triton kernel (:mod:`.triton_engine`), in
+one dispatch table, :data:`OPS`.
+
+The references compute the same quantities with plain torch (quantized
+weights decoded by fle_quant's bit-exact dequantizers, see
+:mod:`.reference`); they read positions and ids on the host where that is
+simplest, so they synchronise and serve CPU runs and tests. The engine
+picks one side for a whole step (:func:`pick`): Triton on CUDA, the
+reference elsewhere, or Triton's interpreter on CPU tensors in tests.
+
+Signatures (both sides; outputs written in place):
+
+- ``experts(store, qtype, host_delta, part_words, expert_words, n_out,
+  row_bytes, slot_of, ids, x, out, gate_up, n_used, weights=None)``
+- ``route_topk(logits, n_used, scale, slot_of, ids, weights, log, hits)``
+- ``add_rmsnorm(x, parts, weight, eps, out)``
+- ``qk_rope_kv(qkv, q_norm, k_norm, eps, cos, sin, pos, n_head, n_kv,
+  head_dim, n_rot, q_out, k_cache, v_cache)``
+- ``attention(q, k_cache, v_cache, pos, scale, out, partial, ml)``
+- ``embed_row(table, qtype, tok, out)``
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fle_quant.errors import FleError
+from fle_quant.ggml_types import GGMLType
+
+from .reference import dequantize_weights
+
+__all__ = ["OPS", "pick", "ExpertWords", "WORDS"]
+
+
+class ExpertWords:
+    """The slot buffer and the host buffer of the routed experts as the
+    reference sees them: ``slots`` and ``host`` uint8 [rows, expert_bytes]
+    tensors, and the word size (bytes) that the part offsets count in (the
+    fast kernels address both buffers from one pointer instead)."""
+
+    def __init__(self, slots: Tensor, host: Tensor, word: int):
+        self.slots, self.host, self.word = slots, host, int(word)
+
+
+# ---------------------------------------------------------------------------
+# references
+
+
+def experts_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
+                n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
+                gate_up: bool, n_used: int, weights: "Tensor | None" = None) -> Tensor:
+    word = store.word
+    start = part_words * word
+    n_rows = 2 * n_out if gate_up else n_out
+    size = n_rows * row_bytes
+    slot_of_h = slot_of.cpu()
+    for r, e in enumerate(ids.cpu().tolist()):
+        s = int(slot_of_h[e])
+        src = store.slots[s] if s >= 0 else store.host[e]
+        raw = src[start:start + size].reshape(n_rows, row_bytes)
+        w = dequantize_weights(raw.cpu(), qtype).to(x.device)
+        if gate_up:
+            v = x[r // n_used].float() @ w.T
+            g, u = v[:n_out], v[n_out:]
+            out[r] = F.silu(g) * u
+        else:
+            out[r] = (x[r].float() @ w.T) * weights[r]
+    return out
+
+
+def route_topk_ref(logits: Tensor, n_used: int, scale: float, slot_of: Tensor, ids: Tensor, weights: Tensor,
+                   log: Tensor, hits: Tensor) -> None:
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, exp = torch.topk(probs, n_used, dim=-1)
+    w = top / top.sum(-1, keepdim=True).clamp(min=6.103515625e-5)
+    if scale not in (0.0, 1.0):
+        w = w * scale
+    ids.copy_(exp)
+    weights.copy_(w)
+    log.copy_(exp.to(log.dtype))
+    hits.copy_((slot_of[exp] >= 0).to(hits.dtype))
+
+
+def add_rmsnorm_ref(x: Tensor, parts: "Tensor | None", weight: Tensor, eps: float, out: Tensor) -> None:
+    if parts is not None:
+        x += parts.sum(1)
+    out.copy_(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight)
+
+
+def qk_rope_kv_ref(qkv: Tensor, q_norm, k_norm, eps: float, cos: Tensor, sin: Tensor, pos: Tensor,
+                   n_head: int, n_kv: int, head_dim: int, n_rot: int, q_out: Tensor, k_cache: Tensor,
+                   v_cache: Tensor) -> None:
+    from ..layers import apply_rope_neox, rms_norm
+
+    p = int(pos.reshape(-1)[0])
+    q = qkv[: n_head * head_dim].view(1, n_head, head_dim)
+    k = qkv[n_head * head_dim:(n_head + n_kv) * head_dim].view(1, n_kv, head_dim)
+    v = qkv[(n_head + n_kv) * head_dim:].view(n_kv, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    c, s = cos[p:p + 1], sin[p:p + 1]
+    q_out.copy_(apply_rope_neox(q, c, s).reshape(-1))
+    k_cache[:, p] = apply_rope_neox(k, c, s)[0].to(k_cache.dtype)
+    v_cache[:, p] = v.to(v_cache.dtype)
+
+
+def attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
+                  partial=None, ml=None) -> None:
+    n_kv, _, dh = k_cache.shape
+    length = int(pos.reshape(-1)[0]) + 1
+    qh = q.view(n_kv, -1, dh).float()                                  # [Hkv, G, Dh]
+    k = k_cache[:, :length].float()
+    v = v_cache[:, :length].float()
+    probs = torch.softmax(torch.matmul(qh, k.transpose(1, 2)) * scale, dim=-1)
+    out.copy_(torch.matmul(probs, v).reshape(-1))
+
+
+def embed_row_ref(table: Tensor, qtype: GGMLType, tok: Tensor, out: Tensor) -> None:
+    t = int(tok.reshape(-1)[0])
+    out.copy_(dequantize_weights(table[t:t + 1].cpu(), qtype)[0].to(out.device))
+
+
+# ---------------------------------------------------------------------------
+# the table
+
+
+def _fast():
+    from . import triton_engine as te
+
+    return SimpleNamespace(experts=te.experts, route_topk=te.route_topk, add_rmsnorm=te.add_rmsnorm,
+                           qk_rope_kv=te.qk_rope_kv, attention=te.attention, embed_row=te.embed_row)
+
+
+REFERENCE = SimpleNamespace(experts=experts_ref, route_topk=route_topk_ref, add_rmsnorm=add_rmsnorm_ref,
+                            qk_rope_kv=qk_rope_kv_ref, attention=attention_ref, embed_row=embed_row_ref)
+
+# name -> (reference, fast) ; the fast side is filled on first use (it imports triton)
+OPS: dict[str, tuple] = {name: (getattr(REFERENCE, name), None) for name in vars(REFERENCE)}
+
+
+def pick(impl: str, device: torch.device) -> SimpleNamespace:
+    """The operations of one side: ``"reference"``, ``"triton"``, or
+    ``"auto"`` (Triton on CUDA, else the reference)."""
+    if impl == "auto":
+        impl = "triton" if device.type == "cuda" else "reference"
+    if impl == "reference":
+        return REFERENCE
+    if impl == "triton":
+        try:
+            fast = _fast()
+        except ImportError:
+            raise FleError("the engine's fast kernels need triton (pip install triton)") from None
+        for name in OPS:
+            OPS[name] = (OPS[name][0], getattr(fast, name))
+        return fast
+    raise FleError(f"impl must be 'auto', 'reference' or 'triton', not {impl!r}")
+
+
+WORDS = {GGMLType.Q8_0: torch.int16, GGMLType.IQ4_XS: torch.int32, GGMLType.IQ3_S: torch.int16,
+         GGMLType.IQ4_NL: torch.int16, GGMLType.Q6_K: torch.int16}
+"""The word the fast kernels load per type (kept equal to triton_quant's
+formats by tests/test_engine.py)."""

@@ -1,0 +1,360 @@
+"""Triton kernels of the engine's decode step (the fast side of
+:mod:`fle_engine.kernels.engine_ops`; each has a torch reference there).
+
+All of them read positions and expert ids from device memory and have
+static launch grids, so a decode step built from them has no host
+synchronisation and replays as a CUDA graph.
+
+- :func:`experts`: the routed experts of one MoE layer for one decode step,
+  each (token, expert) row read from its cache slot when the layer's
+  expert->slot map has one and otherwise straight from page-locked host
+  memory (zero-copy over PCIe), in the same launch: the slot and host
+  buffers are addressed from one base pointer, the host buffer by its
+  (constant) distance from the slot buffer. The gate and up matrices of an
+  expert are one block of rows (gate first), multiplied and combined as
+  ``silu(gate x) * up x`` in one kernel; the down matrix is multiplied and
+  scaled by the routing weight in a second.
+- :func:`route_topk`: softmax over the router logits, top-K, renormalised
+  weights; also logs the chosen ids and whether each was a cache hit (the
+  map as this step read it) for the cache policy on the host.
+- :func:`add_rmsnorm`: the residual add of one or more parts and the next
+  RMSNorm in one kernel.
+- :func:`qk_rope_kv`: per-head RMSNorm of q and k, NEOX rotary at the
+  position read from the device, k and v written into the KV cache.
+- :func:`attention`: decode attention over the used length only (read
+  from the device): a fixed number of splits per KV head, each looping over
+  its share of the positions, then one reduction; the cost follows the
+  length, not the allocated context.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
+
+from .triton_quant import _FORMATS, _decode, _lut, _value_index
+
+__all__ = ["experts", "route_topk", "add_rmsnorm", "qk_rope_kv", "attention", "embed_row", "ATTN_SPLITS"]
+
+ATTN_SPLITS = 32
+
+
+# ---------------------------------------------------------------------------
+# routed experts
+
+
+@triton.jit
+def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
+                   host_delta, part_words, n_out, n_in, n_blocks, row_words, expert_words, n_used,
+                   stride_x, stride_y,
+                   QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
+                   N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr):
+    pid_n = tl.program_id(0)
+    r = tl.program_id(1)                      # (token, chosen expert) row
+    e = tl.load(ids_ptr + r).to(tl.int64)
+    s = tl.load(slot_of_ptr + e).to(tl.int64)
+    # a cached expert is read from its slot, a missed one from host memory (host_delta words away)
+    base = tl.where(s >= 0, s * expert_words, host_delta + e * expert_words) + part_words
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_out
+    row_w = base + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_words
+    if GATE_UP:
+        x_row = r // n_used
+    else:
+        x_row = r
+    x_base = x_ptr + x_row.to(tl.int64) * stride_x
+    k_in = _value_index(QTYPE, A, B, C)
+    acc4 = tl.zeros([BLOCK_N, A, B, C], dtype=tl.float32)
+    for kc in range(0, N_CHUNKS):
+        w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
+        k = kc * (A * B * C) + k_in
+        xt = tl.load(x_base + k, mask=k < n_in, other=0.0)
+        acc4 += w * xt[None, :, :, :]
+    g = tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1)
+    if GATE_UP:
+        row_u = row_w + n_out.to(tl.int64) * row_words      # the up rows follow the gate rows
+        acc4 = tl.zeros([BLOCK_N, A, B, C], dtype=tl.float32)
+        for kc in range(0, N_CHUNKS):
+            w = _decode(QTYPE, wv, lut_ptr, row_u, kc, n_blocks, A, B, C)
+            k = kc * (A * B * C) + k_in
+            xt = tl.load(x_base + k, mask=k < n_in, other=0.0)
+            acc4 += w * xt[None, :, :, :]
+        u = tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1)
+        out = g / (1.0 + tl.exp(-g)) * u
+    else:
+        out = g * tl.load(wts_ptr + r)
+    tl.store(y_ptr + r.to(tl.int64) * stride_y + offs_n, out, mask=mask_n)
+
+
+# output rows per program and warps, by format (H200 measurements: bench/engine_kernels.py)
+_EXPERT_BLOCK_N = {GGMLType.Q8_0: 16, GGMLType.IQ4_XS: 16, GGMLType.IQ3_S: 8, GGMLType.IQ4_NL: 16,
+                   GGMLType.Q6_K: 8}
+
+
+def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
+            n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
+            gate_up: bool, n_used: int, weights: "Tensor | None" = None) -> Tensor:
+    """One matrix product of the routed experts (see the module docstring).
+
+    ``words``: the slot buffer viewed as the format's words; slot ``s`` of
+    the layer starts ``s * expert_words`` words in, expert ``e``'s host copy
+    ``host_delta + e * expert_words``; the matrix starts ``part_words`` into
+    an expert. ``ids`` int64 ``[R]`` (R = tokens x n_used), ``x`` float32
+    ``[T, n_in]`` (gate_up: token r // n_used) or ``[R, n_in]`` (down),
+    ``out`` float32 ``[R, n_out]``; ``weights`` float32 ``[R]`` scale the
+    down rows."""
+    fmt = _FORMATS[qtype]
+    values, size = BLOCK_GEOMETRY[qtype]
+    n_blocks = row_bytes // size
+    word = words.element_size()
+    a, b, c = fmt.tile
+    block_n = _EXPERT_BLOCK_N.get(qtype, 16)
+    grid = (triton.cdiv(n_out, block_n), ids.shape[0])
+    _expert_kernel[grid](
+        words, _lut(qtype, fmt, words), slot_of, ids, out if weights is None else weights, x, out,
+        host_delta, part_words, n_out, n_blocks * values, n_blocks, row_bytes // word, expert_words, n_used,
+        x.stride(0), out.stride(0),
+        QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
+        BLOCK_N=block_n, GATE_UP=gate_up, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# routing
+
+
+@triton.jit
+def _topk_kernel(logits_ptr, slot_of_ptr, ids_ptr, w_ptr, log_ptr, hit_ptr, n_expert, scale,
+                 K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, SCALE: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    m = offs < n_expert
+    lg = tl.load(logits_ptr + t * n_expert + offs, mask=m, other=float("-inf"))
+    p = tl.exp(lg - tl.max(lg, axis=0))
+    p = tl.where(m, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    work = tl.where(m, p, -1.0)
+    kk = tl.arange(0, KP)
+    vals = tl.zeros([KP], dtype=tl.float32)
+    idx = tl.zeros([KP], dtype=tl.int32)
+    for i in tl.static_range(K):
+        v = tl.max(work, axis=0)
+        j = tl.argmax(work, axis=0)
+        vals = tl.where(kk == i, v, vals)
+        idx = tl.where(kk == i, j, idx)
+        work = tl.where(offs == j, -1.0, work)
+    km = kk < K
+    wts = vals / tl.maximum(tl.sum(tl.where(km, vals, 0.0), axis=0), 6.103515625e-5)
+    if SCALE:
+        wts = wts * scale
+    o = t * K + kk
+    tl.store(ids_ptr + o, idx.to(tl.int64), mask=km)
+    tl.store(w_ptr + o, wts, mask=km)
+    tl.store(log_ptr + o, idx, mask=km)
+    hit = tl.load(slot_of_ptr + idx, mask=km, other=-1) >= 0
+    tl.store(hit_ptr + o, hit.to(tl.int32), mask=km)
+
+
+def route_topk(logits: Tensor, n_used: int, scale: float, slot_of: Tensor, ids: Tensor, weights: Tensor,
+               log: Tensor, hits: Tensor) -> None:
+    """``logits`` float32 [T, E] -> ``ids`` int64 [T, K], ``weights`` float32
+    [T, K]; ``log`` int32 and ``hits`` int32 [T, K] record the ids and
+    whether ``slot_of`` (int32 [E]) had them."""
+    n_tok, n_exp = logits.shape
+    _topk_kernel[(n_tok,)](logits, slot_of, ids, weights, log, hits, n_exp, float(scale),
+                           K=n_used, KP=triton.next_power_of_2(n_used), BLOCK_E=triton.next_power_of_2(n_exp),
+                           SCALE=scale not in (0.0, 1.0), num_warps=4)
+
+
+# ---------------------------------------------------------------------------
+# residual + norm
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, parts_ptr, w_ptr, xn_ptr, n, eps, N_PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + t * n + offs, mask=m, other=0.0)
+    for i in tl.static_range(N_PARTS):
+        x += tl.load(parts_ptr + (t * N_PARTS + i) * n + offs, mask=m, other=0.0)
+    if N_PARTS > 0:
+        tl.store(x_ptr + t * n + offs, x, mask=m)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0)
+    tl.store(xn_ptr + t * n + offs, x * r * w, mask=m)
+
+
+def add_rmsnorm(x: Tensor, parts: "Tensor | None", weight: Tensor, eps: float, out: Tensor) -> None:
+    """``x`` [T, D] += the sum of ``parts`` [T, P, D] (in place), then
+    ``out`` = rms_norm(x) * weight."""
+    n_tok, n = x.shape
+    n_parts = 0 if parts is None else parts.shape[1]
+    _add_rmsnorm_kernel[(n_tok,)](x, x if parts is None else parts, weight, out, n, float(eps),
+                                  N_PARTS=n_parts, BLOCK=triton.next_power_of_2(n), num_warps=8)
+
+
+# ---------------------------------------------------------------------------
+# q/k norm, rotary, KV write
+
+
+@triton.jit
+def _qk_rope_kv_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache, v_cache,
+                       n_head, n_kv, n_pos, eps, DH: tl.constexpr, NROT: tl.constexpr,
+                       HAS_NORM: tl.constexpr):
+    pid = tl.program_id(0)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    d = tl.arange(0, DH)
+    half: tl.constexpr = NROT // 2
+    if pid < n_head + n_kv:
+        is_q = pid < n_head
+        base = pid * DH
+        x = tl.load(qkv_ptr + base + d)
+        partner = tl.where(d < half, d + half, tl.where(d < NROT, d - half, d))
+        xp = tl.load(qkv_ptr + base + partner)
+        if HAS_NORM:
+            r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DH + eps)
+            wn = tl.where(is_q, tl.load(qn_ptr + d), tl.load(kn_ptr + d))
+            wp = tl.where(is_q, tl.load(qn_ptr + partner), tl.load(kn_ptr + partner))
+            x = x * r * wn
+            xp = xp * r * wp
+        i = tl.where(d < half, d, d - half)
+        c = tl.load(cos_ptr + pos * half + i, mask=d < NROT, other=1.0)
+        s = tl.load(sin_ptr + pos * half + i, mask=d < NROT, other=0.0)
+        y = tl.where(d < half, x * c - xp * s, tl.where(d < NROT, x * c + xp * s, x))
+        if is_q:
+            tl.store(q_ptr + base + d, y)
+        else:
+            j = (pid - n_head).to(tl.int64)
+            tl.store(k_cache + (j * n_pos + pos) * DH + d, y.to(k_cache.dtype.element_ty))
+    else:
+        j = (pid - n_head - n_kv).to(tl.int64)
+        v = tl.load(qkv_ptr + (n_head + n_kv) * DH + j * DH + d)
+        tl.store(v_cache + (j * n_pos + pos) * DH + d, v.to(v_cache.dtype.element_ty))
+
+
+def qk_rope_kv(qkv: Tensor, q_norm: "Tensor | None", k_norm: "Tensor | None", eps: float, cos: Tensor, sin: Tensor,
+               pos: Tensor, n_head: int, n_kv: int, head_dim: int, n_rot: int, q_out: Tensor,
+               k_cache: Tensor, v_cache: Tensor) -> None:
+    """One decode token: ``qkv`` float32 [(H + 2 Hkv) Dh] -> ``q_out`` [H Dh]
+    normed and rotated; k (normed, rotated) and v written at ``pos`` into
+    ``k_cache``/``v_cache`` [Hkv, P, Dh]."""
+    has_norm = q_norm is not None
+    _qk_rope_kv_kernel[(n_head + 2 * n_kv,)](
+        qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, pos, q_out, k_cache, v_cache,
+        n_head, n_kv, k_cache.shape[1], float(eps), DH=head_dim, NROT=n_rot, HAS_NORM=has_norm, num_warps=1)
+
+
+# ---------------------------------------------------------------------------
+# decode attention over the used length
+
+
+@triton.jit
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, n_pos, scale, group,
+                       GP: tl.constexpr, DH: tl.constexpr, BLOCK_P: tl.constexpr, N_SPLIT: tl.constexpr):
+    kvh = tl.program_id(0)
+    sp = tl.program_id(1)
+    length = tl.load(pos_ptr).to(tl.int32) + 1
+    chunk = (length + N_SPLIT - 1) // N_SPLIT
+    start = sp * chunk
+    end = tl.minimum(start + chunk, length)
+    g = tl.arange(0, GP)
+    gm = g < group
+    d = tl.arange(0, DH)
+    q = tl.load(q_ptr + (kvh * group + g)[:, None] * DH + d[None, :], mask=gm[:, None], other=0.0)
+    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, DH], dtype=tl.float32)
+    kbase = k_ptr + kvh.to(tl.int64) * n_pos * DH
+    vbase = v_ptr + kvh.to(tl.int64) * n_pos * DH
+    p0 = start
+    while p0 < end:
+        p = p0 + tl.arange(0, BLOCK_P)
+        pm = p < end
+        off = p.to(tl.int64)[:, None] * DH + d[None, :]
+        kt = tl.load(kbase + off, mask=pm[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * kt[None, :, :], axis=2) * scale
+        s = tl.where(pm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(s - m_new[:, None])
+        vt = tl.load(vbase + off, mask=pm[:, None], other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * vt[None, :, :], axis=1)
+        m_i = m_new
+        p0 += BLOCK_P
+    row = (kvh * N_SPLIT + sp) * GP + g
+    tl.store(o_ptr + row[:, None] * DH + d[None, :], acc)
+    tl.store(ml_ptr + row * 2, m_i)
+    tl.store(ml_ptr + row * 2 + 1, l_i)
+
+
+@triton.jit
+def _attn_reduce_kernel(o_ptr, ml_ptr, out_ptr, group, GP: tl.constexpr, DH: tl.constexpr,
+                        N_SPLIT: tl.constexpr):
+    h = tl.program_id(0)
+    kvh = h // group
+    g = h % group
+    sp = tl.arange(0, N_SPLIT)
+    d = tl.arange(0, DH)
+    row = (kvh * N_SPLIT + sp) * GP + g
+    m = tl.load(ml_ptr + row * 2)
+    l = tl.load(ml_ptr + row * 2 + 1)
+    mx = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - mx))
+    acc = tl.load(o_ptr + row[:, None] * DH + d[None, :])
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+    tl.store(out_ptr + h * DH + d, out)
+
+
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
+              partial: Tensor, ml: Tensor) -> None:
+    """Decode attention of one token: ``q`` float32 [H Dh] against positions
+    0..pos of ``k_cache``/``v_cache`` [Hkv, P, Dh] -> ``out`` [H Dh].
+    ``partial`` float32 [Hkv * ATTN_SPLITS * GP, Dh] and ``ml`` float32
+    [Hkv * ATTN_SPLITS * GP, 2] are scratch (GP: query heads per KV head,
+    rounded up to a power of two)."""
+    n_kv, n_pos, dh = k_cache.shape
+    group = q.numel() // dh // n_kv
+    gp = triton.next_power_of_2(group)
+    _attn_split_kernel[(n_kv, ATTN_SPLITS)](q, k_cache, v_cache, pos, partial, ml, n_pos, float(scale), group,
+                                            GP=gp, DH=dh, BLOCK_P=16, N_SPLIT=ATTN_SPLITS, num_warps=4)
+    _attn_reduce_kernel[(n_kv * group,)](partial, ml, out, group, GP=gp, DH=dh, N_SPLIT=ATTN_SPLITS, num_warps=2)
+
+
+def attn_scratch(n_kv: int, n_head: int, head_dim: int, device) -> tuple[Tensor, Tensor]:
+    gp = triton.next_power_of_2(n_head // n_kv)
+    rows = n_kv * ATTN_SPLITS * gp
+    return (torch.zeros(rows, head_dim, dtype=torch.float32, device=device),
+            torch.zeros(rows, 2, dtype=torch.float32, device=device))
+
+
+# ---------------------------------------------------------------------------
+# embedding row of a quantized table
+
+
+@triton.jit
+def _embed_kernel(wv, lut_ptr, tok_ptr, x_ptr, n_in, n_blocks, row_words,
+                  QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    kc = tl.program_id(0)
+    tok = tl.load(tok_ptr).to(tl.int64)
+    row_w = tok * row_words + tl.zeros([1], dtype=tl.int64)
+    w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)   # [1, A, B, C]
+    k = kc * (A * B * C) + _value_index(QTYPE, A, B, C)
+    tl.store(x_ptr + k[None, :, :, :], w, mask=(k < n_in)[None, :, :, :])
+
+
+def embed_row(table: Tensor, qtype: GGMLType, tok: Tensor, out: Tensor) -> None:
+    """``out`` float32 [D] = row ``tok`` (int64 [1] on the device) of a
+    quantized table's raw rows ``table`` uint8 [V, row_bytes]."""
+    fmt = _FORMATS[qtype]
+    values, size = BLOCK_GEOMETRY[qtype]
+    n_blocks = table.shape[1] // size
+    words = table.view(fmt.word)
+    a, b, c = fmt.tile
+    _embed_kernel[(triton.cdiv(n_blocks, fmt.blocks_per_chunk),)](
+        words, _lut(qtype, fmt, table), tok, out, n_blocks * values, n_blocks, table.shape[1] // words.element_size(),
+        QTYPE=int(qtype), A=a, B=b, C=c, num_warps=1)

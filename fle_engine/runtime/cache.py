@@ -1,0 +1,234 @@
+"""The GPU expert cache as the engine runs it: slots under one byte budget,
+the expert->slot map on the device, and the cache policy kept off the
+critical path.
+
+Per decode step the graph logs every layer's routed ids (and whether the
+map it read had them) into a device buffer; the engine copies that buffer
+to pinned host memory once per step, asynchronously. The host then runs
+the policy for all layers at once (:class:`~fle_engine.expert_cache.BatchedCache`)
+while the GPU runs the next step, and applies the decisions at the next
+step boundary (:meth:`ExpertCache.boundary`):
+
+1. the admissions copied at the previous boundary become visible: the main
+   stream waits for their copy event, and their map entries are set;
+2. the new decisions' victims leave the map (so no later step reads the
+   slots about to be overwritten); the map is written to the device from a
+   pinned staging buffer on the main stream, and an event marks the point;
+3. the new admissions' bytes are copied from the host buffer into their
+   slots on a side stream that waits for that event; the next boundary
+   makes them visible.
+
+So a decision taken from step t's routing is made while step t + 1 runs,
+its copy runs beside step t + 2 and it serves from step t + 3 on; no replay
+reads a slot while it is written, and neither the GPU nor the host waits
+for a copy. Without CUDA the same sequence runs synchronously (tests check the
+lag on the CPU).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fle_quant.errors import FleError
+
+from ..expert_cache import BatchedCache, CachePolicy, plan_slots
+from ..kernels import engine_ops
+from .weights import ExpertLayout, HostExperts, _align
+
+__all__ = ["ExpertCache", "CacheStats"]
+
+
+@dataclass
+class CacheStats:
+    steps: int = 0
+    requests: int = 0
+    hits: int = 0
+    admissions: int = 0
+    host_seconds: float = 0.0          # policy + boundary work on the host
+    per_step_hits: list = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+    def misses_per_step(self) -> float:
+        return (self.requests - self.hits) / self.steps if self.steps else 0.0
+
+
+class ExpertCache:
+    """Slots for the routed experts of every MoE layer under ``budget_bytes``."""
+
+    def __init__(self, layouts: dict[int, ExpertLayout], host: HostExperts, n_expert: int, budget_bytes: int,
+                 device: torch.device, policy: CachePolicy = CachePolicy(), profile=None):
+        self.layers = sorted(layouts)
+        self.layouts, self.host, self.n_expert, self.device = layouts, host, n_expert, device
+        self.cuda = device.type == "cuda"
+        counts = None if profile is None else {l: profile.counts[l] for l in self.layers if l in profile.counts}
+        if counts is not None and len(counts) != len(self.layers):
+            counts = None
+        self.slots_per_layer = plan_slots(int(budget_bytes), {l: layouts[l].expert_bytes for l in self.layers},
+                                          n_expert, counts)
+        # one device buffer for every slot; layer regions on 256-byte boundaries
+        self.region, off = {}, 0
+        for l in self.layers:
+            self.region[l] = off
+            off = _align(off + max(1, self.slots_per_layer[l]) * layouts[l].expert_bytes, 256)
+        self.nbytes = off
+        self.slots = torch.zeros(off, dtype=torch.uint8, device=device)
+        self.map = torch.full((len(self.layers), n_expert), -1, dtype=torch.int32, device=device)
+        self.index = {l: i for i, l in enumerate(self.layers)}
+        cnt = None if counts is None else np.stack([np.asarray(counts[l], np.float64) for l in self.layers])
+        self.policy = BatchedCache(n_expert, [self.slots_per_layer[l] for l in self.layers], policy, cnt)
+        self.mirror = np.full((len(self.layers), n_expert), -1, np.int32)     # what the device map holds
+        self.expert_in = [np.full(max(1, self.slots_per_layer[l]), -1, np.int64) for l in self.layers]
+        self.stats = CacheStats()
+        self._pending: list[tuple[np.ndarray, ...]] = []
+        self._in_flight: list[tuple[int, int, int]] = []
+        self._copy_event = None
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self._staging = [torch.empty_like(self.map, device="cpu").pin_memory() for _ in range(4)]
+            self._staging_events = [None] * 4
+            self._next_staging = 0
+
+    # addresses for the kernels ------------------------------------------------
+    def slot_view(self, l: int) -> Tensor:
+        lay = self.layouts[l]
+        n = max(1, self.slots_per_layer[l]) * lay.expert_bytes
+        o = self.region[l]
+        return self.slots[o:o + n].view(-1, lay.expert_bytes)
+
+    def words(self, l: int, qtype) -> tuple[Tensor, int]:
+        """(the layer's slots as the fast kernels' words for ``qtype``, the
+        host buffer's distance from them in words)."""
+        dt = engine_ops.WORDS[qtype]
+        w = self.slot_view(l).reshape(-1).view(dt)
+        size = w.element_size()
+        delta = self.host.address(l) - w.data_ptr()
+        if delta % size:
+            raise FleError("internal: expert buffers are not word-aligned")
+        return w, delta // size
+
+    def reference_store(self, l: int, qtype) -> engine_ops.ExpertWords:
+        return engine_ops.ExpertWords(self.slot_view(l), self.host.view(l), engine_ops.WORDS[qtype].itemsize)
+
+    def layer_map(self, l: int) -> Tensor:
+        return self.map[self.index[l]]
+
+    @property
+    def budget_used(self) -> int:
+        return sum(self.slots_per_layer[l] * self.layouts[l].expert_bytes for l in self.layers)
+
+    # warm start ------------------------------------------------------------------
+    def warm(self, profile) -> int:
+        """Fill the slots with each layer's most requested experts of
+        ``profile``; returns the experts loaded."""
+        rankings = [np.argsort(-np.asarray(profile.counts[l], np.float64), kind="stable") for l in self.layers]
+        adm = self.policy.fill(rankings)
+        self._copy_now(adm)
+        return len(adm[0])
+
+    def _copy_now(self, adm) -> None:
+        layer, expert, slot, _ = adm
+        for li, e, s in zip(layer.tolist(), expert.tolist(), slot.tolist()):
+            l = self.layers[li]
+            self.slot_view(l)[s].copy_(self.host.view(l)[e])
+            self._set(li, e, s)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.map.copy_(torch.from_numpy(self.mirror))
+
+    def _set(self, li: int, e: int, s: int) -> None:
+        old = self.expert_in[li][s]
+        if old >= 0 and self.mirror[li, old] == s:
+            self.mirror[li, old] = -1
+        self.expert_in[li][s] = e
+        self.mirror[li, e] = s
+
+    # one step ---------------------------------------------------------------------
+    def observe(self, ids: np.ndarray, hits: np.ndarray) -> None:
+        """The routed ids [L, N] of one finished step and the device's hit
+        flags for them: statistics, then the policy's decisions (applied at
+        the next boundary)."""
+        t0 = time.perf_counter()
+        st = self.stats
+        st.steps += 1
+        st.requests += ids.size
+        h = int(hits.sum())
+        st.hits += h
+        _, adm = self.policy.step(ids)
+        if len(adm[0]):
+            self._pending.append(tuple(np.array(a) for a in adm))   # the policy reuses its output buffers
+        st.host_seconds += time.perf_counter() - t0
+
+    def boundary(self) -> None:
+        """Apply what the host decided, between two steps (see the module
+        docstring). Issues device work only; never waits for the GPU
+        except for a staging buffer four boundaries old."""
+        t0 = time.perf_counter()
+        changed = False
+        if self._in_flight:
+            if self.cuda and self._copy_event is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._copy_event)
+            for li, e, s in self._in_flight:
+                if self.policy.slot_of[li, e] == s and self.expert_in[li][s] == e:
+                    self.mirror[li, e] = s
+                    changed = True
+            self._in_flight = []
+        new: list[tuple[int, int, int]] = []
+        for layer, expert, slot, _ in self._pending:
+            for li, e, s in zip(layer.tolist(), expert.tolist(), slot.tolist()):
+                old = self.expert_in[li][s]
+                if old >= 0 and self.mirror[li, old] == s:
+                    self.mirror[li, old] = -1          # the victim leaves the map before its slot is written
+                    changed = True
+                self.expert_in[li][s] = e
+                new.append((li, e, s))
+        self._pending = []
+        if changed:
+            self._write_map()
+        if new:
+            self.stats.admissions += len(new)
+            self._copy(new)
+            self._in_flight = new
+        self.stats.host_seconds += time.perf_counter() - t0
+
+    def _write_map(self) -> None:
+        if not self.cuda:
+            self.map.copy_(torch.from_numpy(self.mirror))
+            return
+        i = self._next_staging
+        self._next_staging = (i + 1) % len(self._staging)
+        ev = self._staging_events[i]
+        if ev is not None:
+            ev.synchronize()
+        self._staging[i].numpy()[...] = self.mirror
+        self.map.copy_(self._staging[i], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._staging_events[i] = ev
+
+    def _copy(self, new: list[tuple[int, int, int]]) -> None:
+        if not self.cuda:
+            for li, e, s in new:
+                l = self.layers[li]
+                self.slot_view(l)[s].copy_(self.host.view(l)[e])
+            return
+        mark = torch.cuda.Event()
+        mark.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(mark)
+            for li, e, s in new:
+                l = self.layers[li]
+                self.slot_view(l)[s].copy_(self.host.view(l)[e], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+        self._copy_event = ev
+
+    def profile_counts(self) -> dict[int, np.ndarray]:
+        c = self.policy.counts
+        return {l: np.array(c[i]) for i, l in enumerate(self.layers)}

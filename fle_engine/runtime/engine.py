@@ -1,0 +1,410 @@
+"""The engine: a loaded file, its KV cache, the GPU expert cache, and the
+decode step replayed as a CUDA graph with the cache policy one step behind.
+
+``Engine(path, cache_budget=...)`` loads the file (dense weights in their
+GGUF bytes on the device, the routed experts page-locked in host memory),
+plans the slots under the budget, warm-starts them from a saved usage
+profile, allocates the KV cache for ``ctx_size`` positions and captures
+one decode step. ``generate(prompt, n)`` runs steps with one step of
+look-ahead: step n is launched before the host reads step n - 1's token
+and routing, so the policy (:class:`~fle_engine.runtime.cache.ExpertCache`)
+runs while the GPU computes.
+
+Without CUDA the same step runs eagerly with the reference operations
+(``impl="reference"``) and the same ordering of policy and steps.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Sequence
+
+import torch
+
+from fle_quant.errors import FleError
+from fle_quant.gguf_reader import GGUFModel
+
+from ..expert_cache import CachePolicy, Profile, load_profile, model_fingerprint, save_profile
+from ..kernels import engine_ops
+from ..layers import rope_table
+from ..loader import Weights
+from . import qwen3moe
+from .cache import ExpertCache
+from .weights import HostExperts
+
+__all__ = ["Engine", "RunStats", "ARCHS", "KV_TYPES", "parse_budget"]
+
+ARCHS = {"qwen3moe": qwen3moe}
+KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+PROFILE_EVERY_S = 600.0
+_RING = 8
+
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000 ** 2, "MB": 1000 ** 2, "G": 1000 ** 3, "GB": 1000 ** 3,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40, "T": 1000 ** 4, "TB": 1000 ** 4}
+
+
+def parse_budget(text: "str | int | None") -> "int | None":
+    """``17GiB``, ``16G``, ``5000000000`` -> bytes; ``auto`` / None -> None."""
+    if text is None or isinstance(text, int):
+        return text
+    t = str(text).strip()
+    if t.lower() == "auto":
+        return None
+    num = t.rstrip("KMGTiBkmgtib")
+    unit = t[len(num):].upper()
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value < 0:
+        raise FleError(f"--cache-budget {text!r}: expected 'auto' or a size such as 17GiB, 16G or 5000000000")
+    return int(value * _UNITS[unit])
+
+
+@dataclass
+class RunStats:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    gen_tokens: int = 0
+    gen_seconds: float = 0.0
+    launch_seconds: float = 0.0
+
+    def summary(self, cache) -> str:
+        st = cache.stats
+        steps = max(st.steps, 1)
+        p_tps = self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+        g_tps = self.gen_tokens / self.gen_seconds if self.gen_seconds else 0.0
+        return (f"prompt: {self.prompt_tokens} tokens, {self.prompt_seconds * 1e3:.1f} ms ({p_tps:.2f} tok/s) | "
+                f"eval: {self.gen_tokens} tokens, {self.gen_seconds * 1e3:.1f} ms ({g_tps:.2f} tok/s) | "
+                f"expert cache: hit rate {st.hit_rate:.3f}, {st.misses_per_step():.1f} misses/token, "
+                f"{st.admissions} admissions | host time {st.host_seconds / steps * 1e3:.3f} ms/token policy, "
+                f"{self.launch_seconds / steps * 1e3:.3f} ms/token launches")
+
+
+class Engine:
+    def __init__(self, path, *, device="cuda", cache_budget="auto", ctx_size: int = 4096,
+                 cache_type_k: str = "f16", cache_type_v: str = "f16", impl: str = "auto",
+                 profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
+                 progress: bool = True, log=None):
+        self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr))
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise FleError("--device cuda: no CUDA device is available here; use --device cpu (the reference path)")
+        self.cuda = self.device.type == "cuda"
+        self.ops = engine_ops.pick(impl, self.device)
+        self.fast = self.ops is not engine_ops.REFERENCE
+        for name, want in (("--cache-type-k", cache_type_k), ("--cache-type-v", cache_type_v)):
+            if want not in KV_TYPES:
+                raise FleError(f"{name} {want!r}: the engine keeps the KV cache as {', '.join(KV_TYPES)} "
+                               f"(q8_0 is not implemented yet)")
+        self.path = Path(path)
+        t0 = time.perf_counter()
+        gguf = GGUFModel.open(path)
+        self._gguf = gguf
+        arch = ARCHS.get(gguf.arch)
+        if arch is None:
+            raise FleError(f"{gguf.paths[0]}: the engine runs {', '.join(ARCHS)} files; {gguf.arch} runs on the "
+                           f"reference path (--device cpu or fle_engine.load)")
+        self.net = arch.Net(gguf, Weights(gguf), self.device, self.fast)
+        a = self.args = self.net.args
+        max_ctx = int(gguf.hparam("context_length", 262144))
+        if ctx_size <= 0:
+            ctx_size = max_ctx
+        if ctx_size > max_ctx:
+            raise FleError(f"--ctx-size {ctx_size}: the model's context is {max_ctx} tokens")
+        self.ctx_size = int(ctx_size)
+
+        # routed experts: one host buffer, read once from the file
+        self.host = HostExperts(self.net.layouts, a.n_expert, pin=self.cuda)
+        self._fill_host(progress)
+
+        # KV cache, rotary table, step buffers
+        kd, vd = KV_TYPES[cache_type_k], KV_TYPES[cache_type_v]
+        st = self.state = SimpleNamespace(fast=self.fast, bufs=SimpleNamespace())
+        st.kv = [(torch.zeros(a.n_head_kv, self.ctx_size, a.head_dim, dtype=kd, device=self.device),
+                  torch.zeros(a.n_head_kv, self.ctx_size, a.head_dim, dtype=vd, device=self.device))
+                 for _ in range(a.n_layer)]
+        cos, sin = rope_table(a.n_rot, a.rope_base, self.ctx_size, a.rope_freq_scale)
+        st.rope_cos, st.rope_sin = torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device)
+        st.tok = torch.zeros(1, dtype=torch.int64, device=self.device)
+        st.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
+        st.ids_log = torch.zeros(a.n_layer, a.n_expert_used, dtype=torch.int32, device=self.device)
+        st.hit_log = torch.zeros(a.n_layer, a.n_expert_used, dtype=torch.int32, device=self.device)
+        self.net.alloc(st)
+        self.kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in st.kv)
+
+        # the expert cache under its budget
+        self.fingerprint = model_fingerprint(gguf)
+        self.profile_path = self._profile_path(profile_path)
+        profile = self._load_profile()
+        budget = parse_budget(cache_budget)
+        total_experts = sum(lay.expert_bytes for lay in self.net.layouts.values()) * a.n_expert
+        if budget is None:
+            if self.cuda:
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = max(0, free - (1 << 30) - (256 << 20))   # keep 1.25 GiB for graphs and the allocator
+            else:
+                budget = total_experts
+        budget = min(budget, total_experts)
+        self.cache = ExpertCache(self.net.layouts, self.host, a.n_expert, budget, self.device, policy, profile)
+        if profile is not None:
+            self.cache.warm(profile)
+        self._graph = None
+        self.stats = RunStats()
+        self.length = 0
+        self._rings()
+        if self.cuda and graphs:
+            self._capture()
+        self.load_seconds = time.perf_counter() - t0
+        self._last_profile_save = time.monotonic()
+        self.report()
+
+    # set-up ------------------------------------------------------------------------
+    def _fill_host(self, progress: bool) -> None:
+        layers = sorted(self.net.layouts)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.host.nbytes, unit="B", unit_scale=True, desc="experts to host memory",
+                       file=sys.stderr, leave=False)
+        for il in layers:
+            self.host.fill(il, self.net.expert_sources[il])
+            if bar is not None:
+                bar.update(self.host.n_expert * self.net.layouts[il].expert_bytes)
+        if bar is not None:
+            bar.close()
+        self.net.expert_sources = {}
+
+    def _profile_path(self, spec) -> "Path | None":
+        if spec is None or spec == "none":
+            return None
+        if spec == "auto":
+            root = Path(os.environ.get("FLE_CACHE_DIR", Path.home() / ".cache" / "fle")) / "profiles"
+            return root / f"{self.fingerprint[:16]}.json"
+        return Path(spec)
+
+    def _load_profile(self) -> "Profile | None":
+        p = self.profile_path
+        if p is None or not p.exists():
+            return None
+        try:
+            prof = load_profile(p, self.fingerprint)
+        except FleError as e:
+            self.log(f"expert cache profile not used: {e}; starting cold")
+            return None
+        if set(prof.counts) != set(self.net.layouts) or any(
+                len(c) != self.args.n_expert for c in prof.counts.values()):
+            self.log(f"expert cache profile {p} does not match this model's layers; starting cold")
+            return None
+        self.log(f"expert cache: warm start from {p}")
+        return prof
+
+    def save_profile(self) -> None:
+        if self.profile_path is None:
+            return
+        self.profile_path.parent.mkdir(parents=True, exist_ok=True)
+        save_profile(self.profile_path, Profile(self.fingerprint, self.cache.profile_counts()))
+        self._last_profile_save = time.monotonic()
+
+    def _rings(self) -> None:
+        a = self.args
+        pin = self.cuda
+        mk = (lambda *s, dt: torch.zeros(*s, dtype=dt).pin_memory()) if pin else (
+            lambda *s, dt: torch.zeros(*s, dtype=dt))
+        self._ring_ids = [mk(a.n_layer, a.n_expert_used, dt=torch.int32) for _ in range(_RING)]
+        self._ring_hits = [mk(a.n_layer, a.n_expert_used, dt=torch.int32) for _ in range(_RING)]
+        self._ring_tok = [mk(1, dt=torch.int64) for _ in range(_RING)]
+        self._ring_ev = [None] * _RING
+        self._tok_in = mk(_RING, dt=torch.int64)
+        self.launched = self.consumed = 0
+
+    def _capture(self) -> None:
+        st = self.state
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):                       # compile every kernel before capture
+                self.net.step(st, self.ops, self.cache)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self.net.step(st, self.ops, self.cache)
+        self._graph = g
+        st.pos.zero_()
+        torch.cuda.synchronize(self.device)
+
+    def memory_report(self) -> dict:
+        rep = {"dense_weights": self.net.dense_bytes, "kv_cache": self.kv_bytes, "expert_slots": self.cache.nbytes,
+               "expert_budget_used": self.cache.budget_used, "host_experts": self.host.nbytes}
+        if self.cuda:
+            rep["allocated"] = torch.cuda.memory_allocated(self.device)
+            rep["reserved"] = torch.cuda.memory_reserved(self.device)
+        return rep
+
+    def report(self) -> None:
+        m = self.memory_report()
+        gib = 2 ** 30
+        slots = self.cache.slots_per_layer
+        n_slots = sum(slots.values())
+        self.log(f"fle-engine: {self.path.name}: {self.args.arch}, {self.args.n_layer} layers, "
+                 f"{self.args.n_expert} experts ({self.args.n_expert_used} used), context {self.ctx_size}, "
+                 f"loaded in {self.load_seconds:.1f} s")
+        self.log(f"memory: expert cache {m['expert_slots'] / gib:.2f} GiB ({n_slots} slots, "
+                 f"{n_slots / (self.args.n_expert * self.args.n_layer):.1%} of the experts) + dense weights "
+                 f"{m['dense_weights'] / gib:.2f} GiB + KV {m['kv_cache'] / gib:.2f} GiB"
+                 + (f" = {m['allocated'] / gib:.2f} GiB allocated on the GPU ({m['reserved'] / gib:.2f} reserved)"
+                    if self.cuda else "")
+                 + f"; host experts {m['host_experts'] / gib:.2f} GiB "
+                   f"{'page-locked' if self.host.pinned else 'in process memory'}; "
+                 f"{'CUDA graph' if self._graph is not None else 'eager'} steps ({'triton' if self.fast else 'reference'})")
+
+    # stepping ---------------------------------------------------------------------
+    def _launch(self, token: "int | None") -> None:
+        t0 = time.perf_counter()
+        st = self.state
+        self.cache.boundary()
+        i = self.launched % _RING
+        if token is not None:
+            ev = self._ring_ev[i]
+            if ev is not None:
+                ev.synchronize()
+            self._tok_in[i] = token
+            st.tok.copy_(self._tok_in[i:i + 1], non_blocking=True)
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            with torch.inference_mode():
+                self.net.step(st, self.ops, self.cache)
+        if self.cuda:
+            self._ring_ids[i].copy_(st.ids_log, non_blocking=True)
+            self._ring_hits[i].copy_(st.hit_log, non_blocking=True)
+            self._ring_tok[i].copy_(st.tok, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._ring_ev[i] = ev
+        else:
+            self._ring_ids[i].copy_(st.ids_log)
+            self._ring_hits[i].copy_(st.hit_log)
+            self._ring_tok[i].copy_(st.tok)
+        self.launched += 1
+        self.stats.launch_seconds += time.perf_counter() - t0
+
+    def _consume(self) -> int:
+        i = self.consumed % _RING
+        if self.cuda:
+            self._ring_ev[i].synchronize()
+        self.cache.observe(self._ring_ids[i].numpy(), self._ring_hits[i].numpy())
+        self.consumed += 1
+        if self.profile_path is not None and time.monotonic() - self._last_profile_save > PROFILE_EVERY_S:
+            self.save_profile()
+        return int(self._ring_tok[i][0])
+
+    def reset(self) -> None:
+        """Start a new sequence at position 0 (the expert cache keeps its contents)."""
+        self.state.pos.zero_()
+        self.launched = self.consumed = 0
+        self.length = 0
+
+    def generate(self, prompt: Sequence[int], n_predict: int, stop: "set[int] | None" = None,
+                 on_token: "Callable[[int], None] | None" = None, sampler=None,
+                 feed: "Sequence[int] | None" = None) -> list[int]:
+        """Process ``prompt`` (one token per step) and generate up to
+        ``n_predict`` tokens (greedy, or with ``sampler``: a
+        :class:`~fle_engine.sampling.Sampler`, which reads the logits on the
+        host each step). ``feed``: tokens to feed instead of the generated
+        ones (teacher forcing, as llama-bench feeds random tokens)."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise FleError("generate needs at least one prompt token")
+        if len(prompt) >= self.ctx_size:
+            raise FleError(f"the prompt has {len(prompt)} tokens; the context holds {self.ctx_size}")
+        n_predict = max(0, min(int(n_predict), self.ctx_size - len(prompt)))   # stop at the context's end
+        stop = stop or set()
+        self.reset()
+        out: list[int] = []
+        total = len(prompt) + n_predict - 1        # steps to run; the last token needs none
+        t_start = time.perf_counter()
+        t_prompt_end = None
+        done = n_predict == 0
+        if sampler is not None:
+            return self._generate_sampled(prompt, n_predict, stop, on_token, sampler)
+        while not done:
+            if self.launched < total:
+                n = self.launched
+                tok = prompt[n] if n < len(prompt) else (feed[n - len(prompt)] if feed is not None else None)
+                self._launch(tok)
+            pending = self.launched - self.consumed
+            if pending >= 2 or (pending >= 1 and self.launched >= total):
+                step = self.consumed
+                tok = self._consume()
+                if step == len(prompt) - 1:
+                    t_prompt_end = time.perf_counter()
+                if step >= len(prompt) - 1:
+                    out.append(tok)
+                    if on_token is not None:
+                        on_token(tok)
+                    if tok in stop or len(out) >= n_predict:
+                        done = True
+            if self.consumed >= total and self.launched >= total:
+                done = True
+        while self.consumed < self.launched:         # steps launched past a stop: their routing still counts
+            self._consume()
+        t_end = time.perf_counter()
+        t_prompt_end = t_prompt_end or t_end
+        self.stats.prompt_tokens += len(prompt)
+        self.stats.prompt_seconds += t_prompt_end - t_start
+        self.stats.gen_tokens += max(0, len(out) - 1)
+        self.stats.gen_seconds += t_end - t_prompt_end
+        self.length = len(prompt) + len(out)
+        return out
+
+    def _generate_sampled(self, prompt, n_predict, stop, on_token, sampler) -> list[int]:
+        out: list[int] = []
+        t0 = time.perf_counter()
+        t1 = None
+        n = 0
+        tok = prompt[0]
+        while True:
+            self._launch(tok)
+            self._consume()
+            n += 1
+            if n < len(prompt):
+                tok = prompt[n]
+                continue
+            if t1 is None:
+                t1 = time.perf_counter()
+            logits = self.state.bufs.logits[0].float().cpu().numpy()
+            tok = int(sampler(logits))
+            out.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            if tok in stop or len(out) >= n_predict:
+                break
+        t2 = time.perf_counter()
+        self.stats.prompt_tokens += len(prompt)
+        self.stats.prompt_seconds += (t1 or t2) - t0
+        self.stats.gen_tokens += max(0, len(out) - 1)
+        self.stats.gen_seconds += t2 - (t1 or t2)
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "cache", None) is not None and self.profile_path is not None:
+            try:
+                self.save_profile()
+            except FleError as e:
+                self.log(f"expert cache profile not saved: {e}")
+        self._graph = None
+        if getattr(self, "host", None) is not None:
+            self.host.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

@@ -1,0 +1,235 @@
+"""Weights as the engine holds them: dense matrices in their GGUF bytes on
+the device (multiplied by the quantized kernels, never dequantized), small
+vectors in float32, and the routed experts of every layer in one host
+buffer, read once from the file and page-locked so that the GPU reads
+missed experts from it directly.
+
+Host layout: layer l's region holds ``E`` experts of ``expert_bytes[l]``
+bytes each; an expert is its gate rows, then its up rows (one block, so one
+kernel multiplies both), then, at the next 16-byte boundary, its down rows.
+Regions start on 4 KiB boundaries.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fle_quant.errors import FleError
+from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
+
+from ..kernels import engine_ops
+
+__all__ = ["DenseMatrix", "ExpertLayout", "HostExperts", "dense", "vector", "FAST_TYPES"]
+
+FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+FAST_TYPES = tuple(engine_ops.WORDS)
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class DenseMatrix:
+    """``[n_out, n_in]`` weights: raw GGUF rows (uint8 ``[n_out, row_bytes]``)
+    of ``qtype``, or a float tensor for float types."""
+    name: str
+    qtype: GGMLType
+    data: Tensor
+    n_out: int
+    n_in: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def matvec(self, x: Tensor, out: Tensor, impl: str) -> Tensor:
+        """``out`` [T, n_out] = x [T, n_in] @ W.T (float32)."""
+        if self.qtype in FLOAT_TYPES:
+            torch.matmul(x, self.data.T, out=out)
+            return out
+        if impl == "triton":
+            from ..kernels import triton_quant
+
+            return triton_quant.mul_mat(self.data, self.qtype, x, out=out)
+        from ..kernels import reference
+
+        out.copy_(reference.mul_mat(self.data, self.qtype, x))
+        return out
+
+
+def dense(gguf, name: str, device, n_out: int, n_in: int, *, fast_needed: bool) -> DenseMatrix:
+    """Tensor ``name`` as a :class:`DenseMatrix` on ``device``. A block type
+    without a fast kernel is refused when ``fast_needed``."""
+    info = gguf.info(name)
+    shape = tuple(reversed(info.shape))
+    if shape != (n_out, n_in):
+        raise FleError(f"{gguf.paths[0]}: tensor {name!r} has shape {list(shape)}; the hyperparameters "
+                       f"need {[n_out, n_in]}")
+    raw = gguf.tensor_bytes(name)
+    qt = GGMLType(info.qtype)
+    if qt == GGMLType.F32:
+        data = torch.from_numpy(np.array(raw.view(np.float32)).reshape(n_out, n_in))
+    elif qt in (GGMLType.F16, GGMLType.BF16):
+        # float32 for the matmul (a float16 copy would save memory but these files are rare)
+        if qt == GGMLType.F16:
+            data = torch.from_numpy(raw.view(np.float16).astype(np.float32).reshape(n_out, n_in))
+        else:
+            data = torch.from_numpy(np.array(raw.view(np.int16))).view(torch.bfloat16).float().reshape(n_out, n_in)
+    else:
+        if fast_needed and qt not in FAST_TYPES:
+            raise FleError(f"{gguf.paths[0]}: tensor {name!r} is {qt.name}, which the engine has no fast GPU "
+                           f"kernel for (fast: {', '.join(t.name for t in FAST_TYPES)}); run it with "
+                           f"--device cpu (the reference path) or requantize the tensor (fle-requant)")
+        data = torch.from_numpy(np.array(raw).reshape(n_out, -1))
+    return DenseMatrix(name, qt, data.to(device), n_out, n_in)
+
+
+def concat(mats: list[DenseMatrix], name: str) -> "DenseMatrix | None":
+    """Row-concatenation of matrices of one quant type (q, k, v as one
+    product), or None when their types differ."""
+    if len({m.qtype for m in mats}) != 1 or len({m.n_in for m in mats}) != 1:
+        return None
+    data = torch.cat([m.data for m in mats], 0)
+    return DenseMatrix(name, mats[0].qtype, data, sum(m.n_out for m in mats), mats[0].n_in)
+
+
+def vector(gguf, name: str, device, n: int) -> Tensor:
+    """A small float tensor (norm weights) as float32 [n]."""
+    from ..quantized import dequantize_rows
+
+    info = gguf.info(name)
+    if int(np.prod(info.shape)) != n:
+        raise FleError(f"{gguf.paths[0]}: tensor {name!r} has {int(np.prod(info.shape))} values, expected {n}")
+    vals = dequantize_rows(gguf.tensor_bytes(name).reshape(1, -1), GGMLType(info.qtype), n)
+    return torch.from_numpy(np.ascontiguousarray(vals.reshape(n))).to(device)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where the parts of one layer's experts sit in an expert's bytes."""
+    n_ff: int
+    n_embd: int
+    gu_type: GGMLType
+    gu_row_bytes: int
+    down_type: GGMLType
+    down_row_bytes: int
+
+    @property
+    def down_offset(self) -> int:
+        return _align(2 * self.n_ff * self.gu_row_bytes, 16)
+
+    @property
+    def expert_bytes(self) -> int:
+        return _align(self.down_offset + self.n_embd * self.down_row_bytes, 16)
+
+
+def expert_layout(gguf, il: int, n_ff: int, n_embd: int, *, fast_needed: bool) -> tuple[ExpertLayout, list]:
+    """The layout of layer ``il``'s experts and their sources (raw views of
+    the file: gate, up (or one fused gate_up) and down)."""
+    p = f"blk.{il}."
+    if p + "ffn_gate_up_exps.weight" in gguf.tensors:
+        gu = gguf.info(p + "ffn_gate_up_exps.weight")
+        sources = [gguf.tensor_bytes(gu.name)]
+        gu_types = {GGMLType(gu.qtype)}
+        gu_rb = gu.row_bytes
+    else:
+        g, u = gguf.info(p + "ffn_gate_exps.weight"), gguf.info(p + "ffn_up_exps.weight")
+        if g.qtype != u.qtype:
+            raise FleError(f"{gguf.paths[0]}: layer {il}: ffn_gate_exps is {GGMLType(g.qtype).name} but ffn_up_exps "
+                           f"{GGMLType(u.qtype).name}; the engine multiplies both in one kernel and needs one type")
+        sources = [gguf.tensor_bytes(g.name), gguf.tensor_bytes(u.name)]
+        gu_types = {GGMLType(g.qtype)}
+        gu_rb = g.row_bytes
+    d = gguf.info(p + "ffn_down_exps.weight")
+    sources.append(gguf.tensor_bytes(d.name))
+    lay = ExpertLayout(n_ff, n_embd, gu_types.pop(), gu_rb, GGMLType(d.qtype), d.row_bytes)
+    if fast_needed:
+        for qt, nm in ((lay.gu_type, "gate/up"), (lay.down_type, "down")):
+            if qt not in FAST_TYPES:
+                raise FleError(f"{gguf.paths[0]}: layer {il} {nm} experts are {qt.name}, which the engine has no "
+                               f"fast GPU kernel for (fast: {', '.join(t.name for t in FAST_TYPES)}); run with "
+                               f"--device cpu (the reference path) or requantize them (fle-requant)")
+    for qt, rb, n_in in ((lay.gu_type, gu_rb, n_embd), (lay.down_type, d.row_bytes, n_ff)):
+        vals, size = BLOCK_GEOMETRY[qt]
+        if rb % size or rb // size * vals != n_in:
+            raise FleError(f"{gguf.paths[0]}: layer {il}: expert rows of {rb} bytes do not hold {n_in} {qt.name} values")
+    return lay, sources
+
+
+def _cudart():
+    return torch.cuda.cudart()
+
+
+class HostExperts:
+    """Every layer's routed experts in one host buffer (page-locked on CUDA).
+
+    ``view(l)``: uint8 [E, expert_bytes[l]] of layer l; ``address(l)``: its
+    address (the GPU reads it at the same address when the buffer is
+    page-locked)."""
+
+    def __init__(self, layouts: dict[int, ExpertLayout], n_expert: int, pin: bool):
+        self.layouts, self.n_expert = layouts, n_expert
+        self.offsets, off = {}, 0
+        for il in sorted(layouts):
+            self.offsets[il] = off
+            off = _align(off + n_expert * layouts[il].expert_bytes, 4096)
+        self.nbytes = off
+        try:
+            self.buf = np.empty(max(off, 1), np.uint8)
+        except MemoryError:
+            raise FleError(f"the routed experts take {off / 2**30:.1f} GiB of host memory and this machine "
+                           f"cannot allocate that; use a smaller file or a machine with more RAM") from None
+        self.tensor = torch.from_numpy(self.buf)
+        self.pinned = False
+        if pin:
+            self._pin()
+
+    def _pin(self) -> None:
+        # cudaHostRegister (portable | mapped): the pages stay resident and the GPU reads them by their
+        # host address; torch's pinned allocator would round the size up to a power of two
+        err = _cudart().cudaHostRegister(self.buf.ctypes.data, self.buf.nbytes, 3)
+        code = int(getattr(err, "value", err))
+        if code != 0:
+            raise FleError(f"cannot page-lock {self.nbytes / 2**30:.1f} GiB of host memory for the routed experts "
+                           f"(cudaHostRegister error {code}); raise the locked-memory limit (ulimit -l) or free "
+                           f"RAM; misses are read by the GPU from page-locked memory")
+        self.pinned = True
+
+    def close(self) -> None:
+        if self.pinned:
+            _cudart().cudaHostUnregister(self.buf.ctypes.data)
+            self.pinned = False
+
+    def view(self, il: int) -> Tensor:
+        n = self.n_expert * self.layouts[il].expert_bytes
+        o = self.offsets[il]
+        return self.tensor[o:o + n].view(self.n_expert, self.layouts[il].expert_bytes)
+
+    def address(self, il: int) -> int:
+        return self.buf.ctypes.data + self.offsets[il]
+
+    def fill(self, il: int, sources: list) -> None:
+        """Copy layer ``il``'s experts from the file views into the buffer."""
+        lay = self.layouts[il]
+        dst = self.buf[self.offsets[il]:self.offsets[il] + self.n_expert * lay.expert_bytes].reshape(
+            self.n_expert, lay.expert_bytes)
+        e = self.n_expert
+        if len(sources) == 2:
+            gu, down = sources
+            dst[:, :2 * lay.n_ff * lay.gu_row_bytes] = gu.reshape(e, -1)
+        else:
+            gate, up, down = sources
+            half = lay.n_ff * lay.gu_row_bytes
+            dst[:, :half] = gate.reshape(e, -1)
+            dst[:, half:2 * half] = up.reshape(e, -1)
+        dst[:, lay.down_offset:lay.down_offset + lay.n_embd * lay.down_row_bytes] = down.reshape(e, -1)
+
+
+def host_memory_bytes() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+

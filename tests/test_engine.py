@@ -1,0 +1,324 @@
+"""The engine runtime (fle_engine.runtime) against the reference forward pass.
+
+Without CUDA the engine runs the same step with the reference operations
+(fle_engine.kernels.engine_ops) and the same ordering of steps and cache
+policy (decisions from step t serve from step t + 3); the fused Triton
+kernels are checked against those references in Triton's interpreter.
+With CUDA the same tests run the compiled kernels and the captured graph.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fle_engine import load  # noqa: E402
+from fle_engine.expert_cache import Profile, save_profile  # noqa: E402
+from fle_engine.kernels import engine_ops  # noqa: E402
+from fle_engine.runtime import Engine, parse_budget  # noqa: E402
+from fle_quant.errors import FleError  # noqa: E402
+from fle_quant.ggml_types import GGMLType  # noqa: E402
+from fle_quant.quants import quantize  # noqa: E402
+from fle_quant.synth import make_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("exact_float32")
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+N_TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("engine") / "m.gguf", "qwen3moe", seed=3, mix="release",
+                      routing_skew=1.0)
+
+
+@pytest.fixture(scope="module")
+def reference(model_file):
+    """Greedy tokens and logits of the reference pass, one token per call."""
+    model = load(model_file, device=DEVICE, experts="resident")
+    state = model.new_state(N_TOKENS + 8)
+    prompt = [1, 17, 42, 99]
+    out = model.forward(prompt, state)
+    logits = [out[-1].float().cpu()]
+    toks = []
+    for _ in range(N_TOKENS):
+        t = int(torch.argmax(out[-1]))
+        toks.append(t)
+        if len(toks) == N_TOKENS:
+            break
+        out = model.forward([t], state)
+        logits.append(out[-1].float().cpu())
+    return prompt, toks, torch.stack(logits)
+
+
+def _engine(path, budget, tmp_path, profile="none", **kw):
+    return Engine(path, device=DEVICE, cache_budget=budget, ctx_size=N_TOKENS + 16, cache_type_k="f32",
+                  cache_type_v="f32", profile_path=profile, progress=False, log=lambda m: None, **kw)
+
+
+def _expert_bytes(eng) -> int:
+    return sum(l.expert_bytes for l in eng.net.layouts.values())
+
+
+@pytest.mark.parametrize("cache", ["small", "all", "warm"])
+def test_greedy_tokens_equal_reference(model_file, reference, tmp_path, cache):
+    prompt, ref_toks, _ = reference
+    prof = tmp_path / "p.json"
+    probe = _engine(model_file, 0, tmp_path)
+    per_layer = _expert_bytes(probe) // probe.args.n_layer
+    n_exp = probe.args.n_expert
+    probe.close()
+    if cache == "warm":
+        # a profile from a first run, then a warm start from it
+        first = _engine(model_file, 2 * per_layer * probe.args.n_layer, tmp_path, profile=str(prof))
+        first.generate(prompt, 32)
+        first.close()
+        assert prof.exists()
+    budget = {"small": 2 * per_layer * probe.args.n_layer, "all": n_exp * per_layer * probe.args.n_layer,
+              "warm": 2 * per_layer * probe.args.n_layer}[cache]
+    eng = _engine(model_file, budget, tmp_path, profile=str(prof) if cache == "warm" else "none")
+    slots = sum(eng.cache.slots_per_layer.values())
+    assert slots == (n_exp if cache == "all" else 2) * eng.args.n_layer
+    toks = eng.generate(prompt, N_TOKENS)
+    assert toks == ref_toks
+    st = eng.cache.stats
+    if cache == "all":
+        assert st.hit_rate > 0.95          # cold start: only the first steps miss
+    else:
+        assert 0 < st.hit_rate < 1
+    if cache == "warm":
+        assert st.steps and eng.cache.stats.requests
+    eng.close()
+
+
+def test_logits_within_kld_of_reference(model_file, reference, tmp_path):
+    prompt, ref_toks, ref_logits = reference
+    eng = _engine(model_file, 3 * _expert_bytes(_engine(model_file, 0, tmp_path)), tmp_path)
+    got = []
+    seq = prompt + ref_toks[:63]
+    # teacher-forced: the engine's logits at every position of the reference's sequence
+    for n in range(len(prompt), len(seq) + 1):
+        eng.generate(seq[:n], 1)
+        got.append(eng.state.bufs.logits[0].float().cpu().clone())
+    got = torch.stack(got)
+    ref = ref_logits[: got.shape[0]]
+    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+    kld = (lp.exp() * (lp - lq)).sum(-1)
+    assert float(kld.mean()) < 1e-4
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    eng.close()
+
+
+def test_policy_lag_one_step(model_file, tmp_path):
+    """A decision taken from step t's routing (on the host, while step t + 1
+    runs) is copied while step t + 2 runs and reaches the device map at the
+    boundary before step t + 3, never before."""
+    probe = _engine(model_file, 0, tmp_path)
+    budget = 2 * _expert_bytes(probe)
+    probe.close()
+    eng = _engine(model_file, budget, tmp_path)
+    cache = eng.cache
+    events = []
+    obs, bnd = cache.observe, cache.boundary
+
+    def observe(ids, hits):
+        before = len(cache._pending)
+        obs(ids, hits)
+        events.append(("decided", eng.consumed, [tuple(a) for a in cache._pending[before:]]))
+
+    def boundary():
+        bnd()
+        events.append(("map", eng.launched, cache.map.cpu().numpy().copy()))
+
+    cache.observe, cache.boundary = observe, boundary
+    eng.generate([1, 2, 3], 40)
+    maps = {step: m for kind, step, m in events if kind == "map"}
+    targets = {}      # step -> the (layer, slot) pairs its decisions write
+    for kind, step, adm in events:
+        if kind == "decided":
+            targets[step] = {(li, s) for layer, _, slot, _ in adm for li, s in zip(layer.tolist(), slot.tolist())}
+    checked = 0
+    for kind, step, adm in events:
+        if kind != "decided" or not adm:
+            continue
+        for layer, expert, slot, _ in adm:
+            for li, e, s in zip(layer.tolist(), expert.tolist(), slot.tolist()):
+                if step + 3 not in maps or (li, s) in targets.get(step + 1, ()):
+                    continue        # (a decision of the next step took the slot again before it served)
+                assert maps[step + 1][li, e] != s            # not visible at t + 1
+                assert maps[step + 2][li, e] != s            # nor while its copy runs
+                assert maps[step + 3][li, e] == s            # visible from t + 3 on
+                checked += 1
+    assert checked > 0
+
+
+def test_budget_and_options(model_file, tmp_path):
+    assert parse_budget("17GiB") == 17 * 2 ** 30
+    assert parse_budget("16G") == 16 * 10 ** 9
+    assert parse_budget("auto") is None
+    with pytest.raises(FleError, match="cache-budget"):
+        parse_budget("lots")
+    with pytest.raises(FleError, match="q8_0 is not implemented"):
+        Engine(model_file, device=DEVICE, cache_type_k="q8_0", progress=False, log=lambda m: None)
+    if not CUDA:
+        with pytest.raises(FleError, match="no CUDA device"):
+            Engine(model_file, device="cuda", progress=False, log=lambda m: None)
+
+
+def test_other_profile_refused(model_file, tmp_path):
+    prof = tmp_path / "other.json"
+    save_profile(prof, Profile("0" * 64, {0: np.ones(8)}))
+    logs = []
+    eng = Engine(model_file, device=DEVICE, cache_budget=0, ctx_size=64, profile_path=str(prof), progress=False,
+                 log=logs.append)
+    assert any("another model" in m and "starting cold" in m for m in logs)
+    eng.close()
+
+
+# ---------------------------------------------------------------------------
+# the fused kernels against their references (Triton's interpreter without CUDA)
+
+
+@pytest.fixture(scope="module")
+def fast():
+    pytest.importorskip("triton")
+    return engine_ops.pick("triton", DEVICE)
+
+
+def test_words_match_triton_formats():
+    pytest.importorskip("triton")
+    from fle_engine.kernels.triton_quant import _FORMATS
+
+    assert {t: f.word for t, f in _FORMATS.items()} == engine_ops.WORDS
+
+
+def _close(a, b, tol=1e-5):
+    scale = float(b.abs().max()) or 1.0
+    assert float((a - b).abs().max()) <= tol * scale, float((a - b).abs().max()) / scale
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.IQ4_XS, GGMLType.Q8_0, GGMLType.IQ3_S])
+def test_experts_kernel(fast, qtype):
+    rng = np.random.default_rng(int(qtype))
+    n_exp, n_ff, n_embd, n_used = 6, 32, 256, 3
+    rb_gu = quantize(np.zeros((1, n_embd), np.float32), qtype).shape[-1]
+    rb_d = quantize(np.zeros((1, n_ff if qtype == GGMLType.Q8_0 else 256), np.float32), qtype).shape[-1]
+    n_in_d = n_ff if qtype == GGMLType.Q8_0 else 256
+    gu = quantize(rng.standard_normal((n_exp * 2 * n_ff, n_embd)).astype(np.float32) * 0.1, qtype)
+    dn = quantize(rng.standard_normal((n_exp * n_embd, n_in_d)).astype(np.float32) * 0.1, qtype)
+    d_off = (2 * n_ff * rb_gu + 15) // 16 * 16
+    eb = (d_off + n_embd * rb_d + 15) // 16 * 16
+    host = torch.zeros(n_exp, eb, dtype=torch.uint8)
+    host[:, :2 * n_ff * rb_gu] = torch.from_numpy(gu.reshape(n_exp, -1))
+    host[:, d_off:d_off + n_embd * rb_d] = torch.from_numpy(dn.reshape(n_exp, -1))
+    slots = torch.zeros(3, eb, dtype=torch.uint8)
+    slot_of = torch.full((n_exp,), -1, dtype=torch.int32)
+    for s, e in enumerate((4, 1)):
+        slots[s] = host[e]
+        slot_of[e] = s
+    ids = torch.tensor([1, 2, 4], dtype=torch.int64)
+    x = torch.randn(1, n_embd) * 0.5
+    wts = torch.tensor([0.5, 0.3, 0.2])
+    ref_h = torch.zeros(n_used, n_ff)
+    st = engine_ops.ExpertWords(slots, host, engine_ops.WORDS[qtype].itemsize)
+    engine_ops.experts_ref(st, qtype, 0, 0, 0, n_ff, rb_gu, slot_of, ids, x, ref_h, True, n_used)
+    h_in = ref_h if n_in_d == n_ff else torch.nn.functional.pad(ref_h, (0, n_in_d - n_ff))
+    ref_y = torch.zeros(n_used, n_embd)
+    wsz = engine_ops.WORDS[qtype].itemsize
+    engine_ops.experts_ref(st, qtype, 0, d_off // wsz, 0, n_embd, rb_d, slot_of, ids, h_in, ref_y, False, n_used,
+                           wts)
+    # the fast form: host bytes addressed from the slot buffer's pointer
+    dev_slots, dev_host = slots.to(DEVICE), host.to(DEVICE)
+    words = dev_slots.view(-1).view(engine_ops.WORDS[qtype])
+    delta = (dev_host.data_ptr() - words.data_ptr()) // wsz
+    h = torch.zeros(n_used, n_ff, device=DEVICE)
+    fast.experts(words, qtype, delta, 0, eb // wsz, n_ff, rb_gu, slot_of.to(DEVICE), ids.to(DEVICE), x.to(DEVICE),
+                 h, True, n_used)
+    _close(h.cpu(), ref_h)
+    y = torch.zeros(n_used, n_embd, device=DEVICE)
+    fast.experts(words, qtype, delta, d_off // wsz, eb // wsz, n_embd, rb_d, slot_of.to(DEVICE), ids.to(DEVICE),
+                 h_in.to(DEVICE).contiguous(), y, False, n_used, wts.to(DEVICE))
+    _close(y.cpu(), ref_y)
+
+
+def test_route_topk_kernel(fast):
+    torch.manual_seed(0)
+    n_exp, k = 24, 5
+    logits = torch.randn(1, n_exp) * 3
+    slot_of = torch.full((n_exp,), -1, dtype=torch.int32)
+    slot_of[[2, 7, 11]] = torch.tensor([0, 1, 2], dtype=torch.int32)
+    outs = []
+    for ops, dev in ((engine_ops.REFERENCE, torch.device("cpu")), (fast, DEVICE)):
+        ids = torch.zeros(1, k, dtype=torch.int64, device=dev)
+        w = torch.zeros(1, k, device=dev)
+        log = torch.zeros(1, k, dtype=torch.int32, device=dev)
+        hits = torch.zeros(1, k, dtype=torch.int32, device=dev)
+        ops.route_topk(logits.to(dev), k, 2.5, slot_of.to(dev), ids, w, log, hits)
+        order = torch.argsort(ids.cpu()[0])
+        outs.append((ids.cpu()[0][order], w.cpu()[0][order], log.cpu()[0][order], hits.cpu()[0][order]))
+    (i0, w0, l0, h0), (i1, w1, l1, h1) = outs
+    assert i0.tolist() == i1.tolist() and l0.tolist() == l1.tolist() and h0.tolist() == h1.tolist()
+    _close(w1, w0)
+
+
+def test_add_rmsnorm_kernel(fast):
+    torch.manual_seed(1)
+    x = torch.randn(1, 96)
+    parts = torch.randn(1, 3, 96)
+    w = torch.rand(96) + 0.5
+    outs = []
+    for ops, dev in ((engine_ops.REFERENCE, torch.device("cpu")), (fast, DEVICE)):
+        xx = x.clone().to(dev)
+        out = torch.zeros(1, 96, device=dev)
+        ops.add_rmsnorm(xx, parts.to(dev), w.to(dev), 1e-6, out)
+        outs.append((xx.cpu(), out.cpu()))
+    _close(outs[1][0], outs[0][0])
+    _close(outs[1][1], outs[0][1])
+
+
+@pytest.mark.parametrize("n_rot", [64, 32])
+def test_qk_rope_kv_and_attention_kernels(fast, n_rot):
+    from fle_engine.kernels.triton_engine import attn_scratch
+    from fle_engine.layers import rope_table
+
+    torch.manual_seed(2)
+    n_head, n_kv, dh, n_pos = 8, 2, 64, 300
+    cos, sin = (torch.from_numpy(t) for t in rope_table(n_rot, 10000.0, n_pos))
+    qn, kn = torch.rand(dh) + 0.5, torch.rand(dh) + 0.5
+    kc0, vc0 = torch.randn(n_kv, n_pos, dh), torch.randn(n_kv, n_pos, dh)
+    res = []
+    for ops, dev in ((engine_ops.REFERENCE, torch.device("cpu")), (fast, DEVICE)):
+        kc, vc = kc0.clone().to(dev), vc0.clone().to(dev)
+        q = torch.zeros(n_head * dh, device=dev)
+        o = torch.zeros(n_head * dh, device=dev)
+        partial, ml = attn_scratch(n_kv, n_head, dh, dev)
+        for pos in (0, 5, 211):
+            torch.manual_seed(pos)
+            qkv = torch.randn((n_head + 2 * n_kv) * dh).to(dev)
+            p = torch.tensor([pos], device=dev)
+            ops.qk_rope_kv(qkv, qn.to(dev), kn.to(dev), 1e-6, cos.to(dev), sin.to(dev), p, n_head, n_kv, dh, n_rot,
+                           q, kc, vc)
+            ops.attention(q, kc, vc, p, dh ** -0.5, o, partial, ml)
+            res.append((q.cpu().clone(), kc[:, pos].cpu().clone(), vc[:, pos].cpu().clone(), o.cpu().clone()))
+    half = len(res) // 2
+    for a, b in zip(res[:half], res[half:]):
+        for ta, tb in zip(a, b):
+            _close(tb, ta)
+
+
+def test_embed_row_kernel(fast):
+    rng = np.random.default_rng(5)
+    for qtype in (GGMLType.Q8_0, GGMLType.IQ4_XS):
+        table = torch.from_numpy(quantize(rng.standard_normal((10, 512)).astype(np.float32), qtype))
+        tok = torch.tensor([7])
+        ref = torch.zeros(512)
+        engine_ops.REFERENCE.embed_row(table, qtype, tok, ref)
+        got = torch.zeros(512, device=DEVICE)
+        fast.embed_row(table.to(DEVICE), qtype, tok.to(DEVICE), got)
+        assert torch.equal(got.cpu(), ref)
