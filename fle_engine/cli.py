@@ -21,7 +21,17 @@ _DESCRIPTION = "Run a GGUF model with FLE's engine (torch)."
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     """Device, threads and MTP drafting, shared by generate and serve."""
-    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--device", default="auto",
+                   help="cuda runs the engine (GPU expert cache, CUDA-graph steps); cpu the reference forward "
+                        "pass; auto (default): cuda when there is a CUDA device")
+    p.add_argument("--cache-budget", default="auto", metavar="SIZE",
+                   help="engine: GPU bytes for routed experts, e.g. 17GiB; auto (default): free GPU memory after "
+                        "the weights, KV cache and buffers")
+    p.add_argument("--cache-type-k", default="f16", choices=("f16", "bf16", "f32"), help="engine: KV cache type of K")
+    p.add_argument("--cache-type-v", default="f16", choices=("f16", "bf16", "f32"), help="engine: KV cache type of V")
+    p.add_argument("--cache-profile", default="auto", metavar="FILE",
+                   help="engine: expert usage profile, loaded at start and saved every 600 s and at exit; "
+                        "auto (default): ~/.cache/fle/profiles/<model fingerprint>.json; none: no profile")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--mtp", action="store_true",
                    help="speculative decoding with the model's MTP head (inside the model file, or --mtp-head): "
@@ -55,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="drop tokens below this fraction of the top probability; 0 = off (default: 0.05)")
     g.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: a random one)")
     g.add_argument("--special", action="store_true", help="print control tokens' text too")
+    g.add_argument("-c", "--ctx-size", type=int, default=None, dest="ctx_size", metavar="N",
+                   help="engine: KV cache positions; 0 = the model's context (default: prompt + -n, at most the "
+                        "model's)")
     _add_run_options(g)
 
     s = sub.add_parser(
@@ -109,7 +122,10 @@ def _generate(args) -> int:
     prompt = _prompt_tokens(tok, args)
     if not prompt:
         raise FleError("the prompt tokenizes to nothing; give a non-empty --prompt")
-    model = load(args.model, device=args.device)
+    device = resolve_device(args.device)
+    if device == "cuda" and use_engine(args.model, args):
+        return _generate_engine(args, tok, prompt, sampler)
+    model = load(args.model, device=device)
     if tok.n_vocab > model.n_vocab:
         raise FleError(f"{args.model}: the vocabulary has {tok.n_vocab} tokens but the model outputs "
                        f"{model.n_vocab}; the file is inconsistent")
@@ -149,12 +165,76 @@ def _generate(args) -> int:
     return 0
 
 
+def resolve_device(device: str) -> str:
+    """``auto`` -> cuda when a CUDA device is there, else cpu; ``cuda``
+    without one is refused with a message."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise FleError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise FleError(f"--device {device!r}: expected auto, cpu or cuda")
+    return device
+
+
+def use_engine(model: str, args) -> bool:
+    """Whether ``model`` runs on the engine (GPU expert cache); otherwise the
+    reference pass runs it on the GPU, with a warning saying why."""
+    from fle_quant.gguf_reader import GGUFModel
+
+    from .runtime import ARCHS
+
+    with GGUFModel.open(model) as g:
+        arch = g.arch
+    if arch not in ARCHS:
+        print(f"fle-engine: warning: the engine does not run {arch} files yet; using the reference forward pass "
+              f"(slow)", file=sys.stderr)
+        return False
+    if args.mtp or args.mtp_head:
+        raise FleError("--mtp runs on the reference path for now: add --device cpu, or drop --mtp")
+    return True
+
+
+def _generate_engine(args, tok, prompt, sampler) -> int:
+    from .runtime import Engine
+
+    ctx = args.ctx_size if args.ctx_size is not None else len(prompt) + args.n_predict
+    with Engine(args.model, device="cuda", cache_budget=args.cache_budget, ctx_size=min(ctx, 1 << 30),
+                cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+                profile_path=args.cache_profile) as eng:
+        n_predict = min(args.n_predict, eng.ctx_size - len(prompt))
+        stream = tok.stream(special=args.special)
+        out = sys.stdout
+        n, stopped = 0, False
+        for t in eng.tokens(prompt, n_predict, stop=tok.eog_ids,
+                            sampler=None if args.temp <= 0 else sampler):
+            n += 1
+            if t in tok.eog_ids:
+                stopped = True
+                break
+            out.write(stream.add(t))
+            out.flush()
+        out.write(stream.flush() + "\n")
+        out.flush()
+        why = "end of generation" if stopped else f"{n_predict} tokens"
+        print(f"[prompt {len(prompt)} tokens, generated {n} tokens ({why})]", file=sys.stderr)
+        print(eng.stats.summary(eng.cache), file=sys.stderr)
+    return 0
+
+
 def _serve(args) -> int:
     from .server import serve
 
-    return serve(args.model, host=args.host, port=args.port, ctx_size=args.ctx_size, device=args.device,
+    device = resolve_device(args.device)
+    runtime = None
+    if device == "cuda" and use_engine(args.model, args):
+        runtime = dict(cache_budget=args.cache_budget, cache_type_k=args.cache_type_k,
+                       cache_type_v=args.cache_type_v, profile_path=args.cache_profile)
+    return serve(args.model, host=args.host, port=args.port, ctx_size=args.ctx_size, device=device,
                  threads=args.threads, mtp=args.mtp, mtp_head=args.mtp_head, n_draft=args.draft_max,
-                 alias=args.alias)
+                 alias=args.alias, runtime=runtime)
 
 
 @cli_entry("fle-engine")

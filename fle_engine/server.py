@@ -252,6 +252,10 @@ class Engine:
         if spec is not None:
             tokens = generate_speculative(self.model, job.prompt, job.n_predict, sampler, stop=eog,
                                           n_draft=self.n_draft, stats=spec)
+        elif getattr(self.model, "runtime", False):
+            # the GPU engine: greedy steps with look-ahead, or its logits sampled on the host
+            tokens = self.model.tokens(job.prompt, job.n_predict, stop=eog,
+                                       sampler=None if job.params.temp <= 0 else sampler)
         else:
             tokens = generate_tokens(self.model, job.prompt, job.n_predict, sampler, stop=eog)
         decoder = tok.stream()
@@ -837,8 +841,9 @@ async def _listen(engine: Engine, host: str, port: int, log: TextIO) -> None:
 
 def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_size: int | None = None,
           device: str = "cpu", threads: int | None = None, mtp: bool = False, mtp_head: str | None = None,
-          n_draft: int = 2, alias: str | None = None, log: TextIO = sys.stderr) -> int:
-    """Load ``model_path`` and serve it until SIGINT or SIGTERM."""
+          n_draft: int = 2, alias: str | None = None, log: TextIO = sys.stderr, runtime: dict | None = None) -> int:
+    """Load ``model_path`` and serve it until SIGINT or SIGTERM; with
+    ``runtime`` (the engine's options) on the GPU engine."""
     import os
 
     import torch
@@ -865,7 +870,13 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
         print(f"fle-engine: warning: --ctx-size {n_ctx} is beyond the model's training context ({n_ctx_train})",
               file=log)
     print(f"fle-engine: loading {model_path} on {device}", file=log, flush=True)
-    model = load(model_path, device=device)
+    if runtime is not None:
+        from .runtime import Engine as Runtime
+
+        model = Runtime(model_path, device=device, ctx_size=n_ctx, log=lambda m: print(m, file=log, flush=True),
+                        **runtime)
+    else:
+        model = load(model_path, device=device)
     if tok.n_vocab > model.n_vocab:
         raise FleError(f"{model_path}: the vocabulary has {tok.n_vocab} tokens but the model outputs "
                        f"{model.n_vocab}; the file is inconsistent")

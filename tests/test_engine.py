@@ -322,3 +322,22 @@ def test_embed_row_kernel(fast):
         got = torch.zeros(512, device=DEVICE)
         fast.embed_row(table.to(DEVICE), qtype, tok.to(DEVICE), got)
         assert torch.equal(got.cpu(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_captured_step_has_no_host_sync(model_file, tmp_path):
+    """The step is captured as one CUDA graph (capture fails on any host
+    synchronisation), and a sync put into the step makes capture fail."""
+    eng = _engine(model_file, "auto", tmp_path)
+    assert eng._graph is not None
+    step = eng.net.step
+
+    def with_sync(*a):
+        step(*a)
+        eng.state.pos.item()                 # a host sync inside the step
+
+    eng.net.step = with_sync
+    with pytest.raises(Exception):
+        eng._capture()
+    eng.close()

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -86,12 +86,15 @@ class RunStats:
 
 
 class Engine:
+    runtime = True              # what the server asks to tell the engine from the reference Model
+
     def __init__(self, path, *, device="cuda", cache_budget="auto", ctx_size: int = 4096,
                  cache_type_k: str = "f16", cache_type_v: str = "f16", impl: str = "auto",
                  profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
                  progress: bool = True, log=None):
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr))
         self.device = torch.device(device)
+        self.net = None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise FleError("--device cuda: no CUDA device is available here; use --device cpu (the reference path)")
         self.cuda = self.device.type == "cuda"
@@ -162,6 +165,10 @@ class Engine:
         self.load_seconds = time.perf_counter() - t0
         self._last_profile_save = time.monotonic()
         self.report()
+
+    @property
+    def n_vocab(self) -> int:
+        return self.args.n_vocab
 
     # set-up ------------------------------------------------------------------------
     def _fill_host(self, progress: bool) -> None:
@@ -313,84 +320,99 @@ class Engine:
     def generate(self, prompt: Sequence[int], n_predict: int, stop: "set[int] | None" = None,
                  on_token: "Callable[[int], None] | None" = None, sampler=None,
                  feed: "Sequence[int] | None" = None) -> list[int]:
-        """Process ``prompt`` (one token per step) and generate up to
-        ``n_predict`` tokens (greedy, or with ``sampler``: a
-        :class:`~fle_engine.sampling.Sampler`, which reads the logits on the
-        host each step). ``feed``: tokens to feed instead of the generated
-        ones (teacher forcing, as llama-bench feeds random tokens)."""
+        """The tokens of :meth:`tokens` as a list (``on_token`` is called with each)."""
+        out = []
+        for t in self.tokens(prompt, n_predict, stop, sampler=sampler, feed=feed):
+            out.append(t)
+            if on_token is not None:
+                on_token(t)
+        return out
+
+    def tokens(self, prompt: Sequence[int], n_predict: int, stop: "set[int] | None" = None, sampler=None,
+               feed: "Sequence[int] | None" = None) -> Iterator[int]:
+        """Process ``prompt`` (one token per step) and yield up to
+        ``n_predict`` generated tokens, stopping after one in ``stop``, or at
+        the end of the context. Greedy by default, with one step of
+        look-ahead; with ``sampler`` (a :class:`~fle_engine.sampling.Sampler`)
+        each step's logits are read on the host and sampled there.
+        ``feed``: tokens to feed instead of the generated ones (teacher
+        forcing, as llama-bench feeds random tokens)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
-            raise FleError("generate needs at least one prompt token")
+            raise FleError("generation needs at least one prompt token")
         if len(prompt) >= self.ctx_size:
             raise FleError(f"the prompt has {len(prompt)} tokens; the context holds {self.ctx_size}")
         n_predict = max(0, min(int(n_predict), self.ctx_size - len(prompt)))   # stop at the context's end
         stop = stop or set()
         self.reset()
-        out: list[int] = []
+        if n_predict == 0:
+            return
+        gen = self._sampled(prompt, n_predict, stop, sampler) if sampler is not None else \
+            self._greedy(prompt, n_predict, stop, feed)
+        yield from gen
+
+    def _greedy(self, prompt, n_predict, stop, feed) -> Iterator[int]:
         total = len(prompt) + n_predict - 1        # steps to run; the last token needs none
         t_start = time.perf_counter()
         t_prompt_end = None
-        done = n_predict == 0
-        if sampler is not None:
-            return self._generate_sampled(prompt, n_predict, stop, on_token, sampler)
-        while not done:
-            if self.launched < total:
-                n = self.launched
-                tok = prompt[n] if n < len(prompt) else (feed[n - len(prompt)] if feed is not None else None)
-                self._launch(tok)
-            pending = self.launched - self.consumed
-            if pending >= 2 or (pending >= 1 and self.launched >= total):
-                step = self.consumed
-                tok = self._consume()
-                if step == len(prompt) - 1:
-                    t_prompt_end = time.perf_counter()
-                if step >= len(prompt) - 1:
-                    out.append(tok)
-                    if on_token is not None:
-                        on_token(tok)
-                    if tok in stop or len(out) >= n_predict:
-                        done = True
-            if self.consumed >= total and self.launched >= total:
-                done = True
-        while self.consumed < self.launched:         # steps launched past a stop: their routing still counts
-            self._consume()
-        t_end = time.perf_counter()
-        t_prompt_end = t_prompt_end or t_end
-        self.stats.prompt_tokens += len(prompt)
-        self.stats.prompt_seconds += t_prompt_end - t_start
-        self.stats.gen_tokens += max(0, len(out) - 1)
-        self.stats.gen_seconds += t_end - t_prompt_end
-        self.length = len(prompt) + len(out)
-        return out
+        n_out = 0
+        try:
+            while True:
+                if self.launched < total:
+                    n = self.launched
+                    tok = prompt[n] if n < len(prompt) else (feed[n - len(prompt)] if feed is not None else None)
+                    self._launch(tok)
+                pending = self.launched - self.consumed
+                if pending >= 2 or (pending >= 1 and self.launched >= total):
+                    step = self.consumed
+                    tok = self._consume()
+                    if step == len(prompt) - 1:
+                        t_prompt_end = time.perf_counter()
+                    if step >= len(prompt) - 1:
+                        n_out += 1
+                        self.length = len(prompt) + n_out
+                        yield tok
+                        if tok in stop or n_out >= n_predict:
+                            return
+                if self.consumed >= total:
+                    return
+        finally:
+            while self.consumed < self.launched:     # steps launched past a stop: their routing still counts
+                self._consume()
+            t_end = time.perf_counter()
+            t_prompt_end = t_prompt_end or t_end
+            self.stats.prompt_tokens += len(prompt)
+            self.stats.prompt_seconds += t_prompt_end - t_start
+            self.stats.gen_tokens += max(0, n_out - 1)
+            self.stats.gen_seconds += t_end - t_prompt_end
 
-    def _generate_sampled(self, prompt, n_predict, stop, on_token, sampler) -> list[int]:
-        out: list[int] = []
+    def _sampled(self, prompt, n_predict, stop, sampler) -> Iterator[int]:
         t0 = time.perf_counter()
         t1 = None
-        n = 0
+        n_out = 0
         tok = prompt[0]
-        while True:
-            self._launch(tok)
-            self._consume()
-            n += 1
-            if n < len(prompt):
-                tok = prompt[n]
-                continue
-            if t1 is None:
-                t1 = time.perf_counter()
-            logits = self.state.bufs.logits[0].float().cpu().numpy()
-            tok = int(sampler(logits))
-            out.append(tok)
-            if on_token is not None:
-                on_token(tok)
-            if tok in stop or len(out) >= n_predict:
-                break
-        t2 = time.perf_counter()
-        self.stats.prompt_tokens += len(prompt)
-        self.stats.prompt_seconds += (t1 or t2) - t0
-        self.stats.gen_tokens += max(0, len(out) - 1)
-        self.stats.gen_seconds += t2 - (t1 or t2)
-        return out
+        try:
+            while True:
+                self._launch(tok)
+                self._consume()
+                n = self.launched
+                if n < len(prompt):
+                    tok = prompt[n]
+                    continue
+                if t1 is None:
+                    t1 = time.perf_counter()
+                tok = int(sampler(self.state.bufs.logits[0].float().cpu().numpy()))
+                n_out += 1
+                self.length = len(prompt) + n_out
+                yield tok
+                if tok in stop or n_out >= n_predict:
+                    return
+        finally:
+            t2 = time.perf_counter()
+            self.stats.prompt_tokens += len(prompt)
+            self.stats.prompt_seconds += (t1 or t2) - t0
+            self.stats.gen_tokens += max(0, n_out - 1)
+            self.stats.gen_seconds += t2 - (t1 or t2)
 
     def close(self) -> None:
         if getattr(self, "cache", None) is not None and self.profile_path is not None:

@@ -1,0 +1,316 @@
+"""FLE's engine against upstream llama.cpp, decode speed on the same file
+with the same GPU bytes for routed experts, in one run.
+
+    python3 bench/engine.py --llama-src SDIST_OR_DIR   # builds llama-bench (CUDA) first
+    python3 bench/engine.py --llama-bench PATH         # or takes a built one
+
+Steps: build upstream's ``llama-bench`` (CUDA, sm_90 by default), write the
+benchmark files with the factory's fast mode (Qwen3-30B-A3B shape: 48
+layers, 128 experts, 8 used, IQ4_XS experts, Q8_0 dense), then per file:
+
+- upstream with the experts of 1/3 of the layers on the GPU (``-ncmoe``
+  for the other 2/3: llama.cpp's CPU runs those experts), and with
+  everything on the GPU;
+- FLE with a cache budget of the same bytes (1/3 of the expert bytes), and
+  with every expert cached.
+
+Both decode random tokens one at a time from position 0 (llama-bench's tg
+test; FLE feeds the same kind of tokens). FLE's expert cache is warmed by
+one unmeasured run of the same length first (llama-bench's warm-up run
+does the same for its caches); its hit rate and misses per token are
+printed. Routing: near-uniform (skew 0) and a skew calibrated so that
+FLE's policy hits 88-93 % at 1/3 of the experts cached (the report's
+91.2 % at 173 of 512 slots); the calibration simulates the policy on the
+file's routing model and prints the curve beside the report's points.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+REPORT_CURVE = {173 / 512: 0.912, 146 / 512: 0.888, 120 / 512: 0.848}
+
+SHAPES = {
+    "30b-a3b": dict(arch="qwen3moe", overrides=dict(
+        block_count=48, embedding_length=2048, feed_forward_length=6144, expert_count=128, expert_used_count=8,
+        expert_feed_forward_length=768, attention_head_count=32, attention_head_count_kv=4,
+        attention_key_length=128, context_length=40960, vocab_size=151936),
+        rules=[(r"\.ffn_(gate|up|down)_exps\.weight$", "IQ4_XS")], mix="q8_0"),
+    # a small shape for trying the script on any machine
+    "tiny": dict(arch="qwen3moe", overrides=dict(
+        block_count=8, embedding_length=512, expert_count=32, expert_used_count=4, expert_feed_forward_length=256,
+        attention_head_count=8, attention_head_count_kv=2, attention_key_length=64, vocab_size=4096),
+        rules=[(r"\.ffn_(gate|up|down)_exps\.weight$", "IQ4_XS")], mix="q8_0"),
+}
+
+
+# ---------------------------------------------------------------------------
+# calibration of the routing skew
+
+
+def simulate_hit_rate(skew: float, n_expert: int, n_used: int, frac: float, steps: int = 3000,
+                      layers: int = 8, seed: int = 0) -> float:
+    """Hit rate of FLE's policy when logits are ``skew * z_e + N(0, 1)``
+    per token (the fast factory's routing model, independent tokens)."""
+    from fle_engine.expert_cache import BatchedCache
+
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal((layers, n_expert)) * skew
+    slots = int(round(frac * n_expert))
+    cache = BatchedCache(n_expert, [slots] * layers)
+    hits = total = 0
+    warm = steps // 3
+    for t in range(steps):
+        logits = z + rng.standard_normal((layers, n_expert))
+        ids = np.argpartition(-logits, n_used - 1, axis=1)[:, :n_used]
+        h, _ = cache.step(ids)
+        if t >= warm:
+            hits += int(h.sum())
+            total += h.size
+    return hits / total
+
+
+def calibrate_skew(n_expert: int, n_used: int, frac: float = 1 / 3, target: float = 0.905) -> float:
+    lo, hi = 0.0, 4.0
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        if simulate_hit_rate(mid, n_expert, n_used, frac) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+# ---------------------------------------------------------------------------
+# upstream
+
+
+def build_llama_bench(src: Path, work: Path, arch: str = "90") -> Path:
+    """Build llama-bench with CUDA from an unpacked llama.cpp (or the
+    llama-cpp-python sdist, whose vendor/llama.cpp is used) or a tarball."""
+    if src.is_file():
+        dest = work / "llama-src"
+        if not dest.exists():
+            with tarfile.open(src) as tar:
+                tar.extractall(dest, filter="data")
+        src = dest
+    cands = [src, src / "vendor" / "llama.cpp", src / "llama.cpp"] + [p for p in src.glob("*/vendor/llama.cpp")]
+    top = next((c for c in cands if (c / "tools" / "llama-bench").is_dir()), None)
+    if top is None:
+        raise SystemExit(f"{src}: no llama.cpp source with tools/llama-bench found")
+    build = work / "llama-build"
+    exe = build / "bin" / "llama-bench"
+    if exe.exists():
+        return exe
+    t0 = time.time()
+    subprocess.run(["cmake", "-S", str(top), "-B", str(build), "-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch}",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-bench", "-j", str(os.cpu_count() or 8)],
+                   check=True, stdout=subprocess.DEVNULL)
+    print(f"built {exe} in {time.time() - t0:.0f} s", flush=True)
+    return exe
+
+
+def upstream_decode(exe: Path, model: Path, n_cpu_moe: int, n_gen: int, threads: int, reps: int) -> float:
+    cmd = [str(exe), "-m", str(model), "-ngl", "99", "-ncmoe", str(n_cpu_moe), "-t", str(threads), "-p", "0",
+           "-n", str(n_gen), "-r", str(reps), "-lm", "none", "-o", "json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    rows = json.loads(out.stdout)
+    return float(rows[0]["avg_ts"])
+
+
+# ---------------------------------------------------------------------------
+# FLE
+
+
+def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: int = 0) -> dict:
+    import torch
+
+    from fle_engine.runtime import Engine
+
+    eng = Engine(model, device="cuda", cache_budget=budget, ctx_size=max(512, n_gen + 8), profile_path="none",
+                 progress=False)
+    rng = np.random.default_rng(seed)
+    n_vocab = eng.args.n_vocab
+    first = int(rng.integers(n_vocab))
+    eng.generate([first], n_gen, feed=rng.integers(n_vocab, size=n_gen).tolist())      # warm-up (unmeasured)
+    speeds = []
+    st0 = eng.cache.stats
+    h0, r0, s0, a0, host0 = st0.hits, st0.requests, st0.steps, st0.admissions, st0.host_seconds
+    launch0 = eng.stats.launch_seconds
+    mem0 = torch.cuda.memory_allocated()
+    for _ in range(reps):
+        feed = rng.integers(n_vocab, size=n_gen).tolist()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.generate([int(rng.integers(n_vocab))], n_gen, feed=feed)
+        torch.cuda.synchronize()
+        speeds.append(n_gen / (time.perf_counter() - t0))
+    st = eng.cache.stats
+    steps = st.steps - s0
+    res = dict(tok_s=float(np.mean(speeds)), tok_s_runs=speeds, hit_rate=(st.hits - h0) / max(1, st.requests - r0),
+               misses_per_token=(st.requests - r0 - (st.hits - h0)) / max(1, steps),
+               admissions_per_token=(st.admissions - a0) / max(1, steps),
+               host_policy_ms_per_token=(st.host_seconds - host0) / max(1, steps) * 1e3,
+               host_launch_ms_per_token=(eng.stats.launch_seconds - launch0) / max(1, steps) * 1e3,
+               cache_bytes=eng.cache.budget_used, slots=sum(eng.cache.slots_per_layer.values()),
+               gpu_allocated=torch.cuda.memory_allocated(), gpu_allocated_before=mem0)
+    eng.close()
+    del eng
+    torch.cuda.empty_cache()
+    return res
+
+
+def step_time_at(model: Path, ctx: int, position: int, budget, n: int = 64) -> float:
+    """Seconds per decode step just after ``position`` with ``ctx`` positions allocated."""
+    from fle_engine.runtime import Engine
+
+    eng = Engine(model, device="cuda", cache_budget=budget, ctx_size=ctx, profile_path="none", progress=False)
+    rng = np.random.default_rng(1)
+    v = eng.args.n_vocab
+    prompt = rng.integers(v, size=position).tolist()
+    best = float("inf")
+    for _ in range(3):
+        g0, s0 = eng.stats.gen_tokens, eng.stats.gen_seconds
+        eng.generate(prompt, n, feed=rng.integers(v, size=n).tolist())
+        best = min(best, (eng.stats.gen_seconds - s0) / (eng.stats.gen_tokens - g0))
+    eng.close()
+    return best
+
+
+def ctx_check(model: Path, budget) -> dict:
+    """A decode step at position ~1,000 with 8,192 and 131,072 positions allocated."""
+    out = {}
+    for ctx in (8192, 131072):
+        out[ctx] = step_time_at(model, ctx, 1000, budget)
+        print(f"ctx {ctx}: {out[ctx] * 1e3:.2f} ms per decode step at position ~1,000", flush=True)
+    out["ratio"] = out[131072] / out[8192]
+    return out
+
+
+def memory_check(model: Path, budget, n: int) -> dict:
+    """GPU memory before and after ``n`` decoded tokens, and the host time per token."""
+    import torch
+
+    from fle_engine.runtime import Engine
+
+    eng = Engine(model, device="cuda", cache_budget=budget, ctx_size=n + 16, profile_path="none", progress=False)
+    rng = np.random.default_rng(2)
+    v = eng.args.n_vocab
+    before = torch.cuda.memory_allocated()
+    reserved_before = torch.cuda.memory_reserved()
+    t0 = time.perf_counter()
+    eng.generate([1], n, feed=rng.integers(v, size=n).tolist())
+    dt = time.perf_counter() - t0
+    res = dict(tokens=n, allocated_before=before, allocated_after=torch.cuda.memory_allocated(),
+               reserved_before=reserved_before, reserved_after=torch.cuda.memory_reserved(), tok_s=n / dt,
+               hit_rate=eng.cache.stats.hit_rate,
+               host_policy_ms_per_token=eng.cache.stats.host_seconds / max(1, eng.cache.stats.steps) * 1e3,
+               memory=eng.memory_report())
+    print(f"memory over {n} tokens: allocated {before / 2**30:.3f} -> {res['allocated_after'] / 2**30:.3f} GiB, "
+          f"reserved {reserved_before / 2**30:.3f} -> {res['reserved_after'] / 2**30:.3f} GiB; {res['tok_s']:.1f} tok/s, "
+          f"hit rate {res['hit_rate']:.3f}", flush=True)
+    eng.close()
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-bench", type=Path, default=None, help="a built llama-bench (CUDA)")
+    p.add_argument("--llama-src", type=Path, default=None, help="llama.cpp source (dir, sdist or tarball) to build it")
+    p.add_argument("--work", type=Path, default=Path("/tmp/fle-bench"), help="files and the build go here")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="30b-a3b")
+    p.add_argument("--routing", default="uniform,calibrated", help="uniform, calibrated or a skew value; comma list")
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="tokens decoded per run (llama-bench -n)")
+    p.add_argument("-r", "--reps", type=int, default=3)
+    p.add_argument("-t", "--threads", type=int, default=16)
+    p.add_argument("--no-all-gpu", action="store_true", help="skip the runs with every expert on the GPU")
+    p.add_argument("--skip-upstream", action="store_true")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--checks", action="store_true",
+                   help="also: decode step cost at position 1,000 with 8,192 and 131,072 positions allocated, and "
+                        "GPU memory over --memory-tokens decoded tokens (on the first file)")
+    p.add_argument("--memory-tokens", type=int, default=10000)
+    args = p.parse_args(argv)
+
+    from fle_quant.gguf_reader import GGUFModel
+    from fle_quant.synth.fast import make_fast_model
+
+    shape = SHAPES[args.shape]
+    o = shape["overrides"]
+    n_layer, n_exp, n_used = o["block_count"], o["expert_count"], o["expert_used_count"]
+    args.work.mkdir(parents=True, exist_ok=True)
+    exe = None
+    if not args.skip_upstream:
+        exe = args.llama_bench or (build_llama_bench(args.llama_src, args.work) if args.llama_src else None)
+        if exe is None:
+            raise SystemExit("give --llama-bench PATH or --llama-src SRC (or --skip-upstream)")
+    gpu_layers = n_layer // 3                       # upstream: experts of this many layers on the GPU
+    results = {"shape": args.shape, "n_gen": args.n_gen, "threads": args.threads, "runs": []}
+    for routing in args.routing.split(","):
+        if routing == "uniform":
+            skew = 0.0
+        elif routing == "calibrated":
+            skew = calibrate_skew(n_exp, n_used)
+        else:
+            skew = float(routing)
+        curve = {f"{f:.3f}": round(simulate_hit_rate(skew, n_exp, n_used, f), 3) for f in REPORT_CURVE}
+        path = args.work / f"{args.shape}-skew{skew:.3f}.gguf"
+        if not path.exists():
+            t0 = time.time()
+            make_fast_model(path, shape["arch"], seed=0, mix=shape["mix"], rules=shape["rules"], routing_skew=skew,
+                            progress=False, **o)
+            print(f"wrote {path.name} ({path.stat().st_size / 2**30:.1f} GiB) in {time.time() - t0:.0f} s", flush=True)
+        with GGUFModel.open(path) as g:
+            exp_bytes = sum(t.n_bytes for t in g.tensors.values() if "_exps." in t.name)
+        budget = exp_bytes * gpu_layers // n_layer
+        row = {"routing": routing, "skew": skew, "simulated_curve": curve, "report_curve": {
+            f"{f:.3f}": v for f, v in REPORT_CURVE.items()}, "expert_bytes": exp_bytes, "budget": budget}
+        if exe is not None:
+            row["upstream_tok_s"] = upstream_decode(exe, path, n_layer - gpu_layers, args.n_gen, args.threads,
+                                                    args.reps)
+            print(f"[{routing}] upstream -ncmoe {n_layer - gpu_layers}: {row['upstream_tok_s']:.1f} tok/s", flush=True)
+        row["fle"] = fle_decode(path, budget, args.n_gen, args.reps)
+        f = row["fle"]
+        print(f"[{routing}] FLE cache {budget / 2**30:.2f} GiB: {f['tok_s']:.1f} tok/s, hit rate {f['hit_rate']:.3f}, "
+              f"{f['misses_per_token']:.1f} misses/token, host {f['host_policy_ms_per_token']:.3f} ms/token policy "
+              f"+ {f['host_launch_ms_per_token']:.3f} launch", flush=True)
+        if exe is not None:
+            row["ratio"] = f["tok_s"] / row["upstream_tok_s"]
+            print(f"[{routing}] ratio FLE / upstream = {row['ratio']:.2f}", flush=True)
+        if not args.no_all_gpu and routing == args.routing.split(",")[0]:
+            if exe is not None:
+                row["upstream_all_gpu_tok_s"] = upstream_decode(exe, path, 0, args.n_gen, args.threads, args.reps)
+            row["fle_all_gpu"] = fle_decode(path, exp_bytes * 2, args.n_gen, args.reps)
+            msg = f"[all on the GPU] FLE {row['fle_all_gpu']['tok_s']:.1f} tok/s"
+            if exe is not None:
+                row["all_gpu_ratio"] = row["fle_all_gpu"]["tok_s"] / row["upstream_all_gpu_tok_s"]
+                msg += f", upstream {row['upstream_all_gpu_tok_s']:.1f}, ratio {row['all_gpu_ratio']:.2f}"
+            print(msg, flush=True)
+        results["runs"].append(row)
+        if args.checks and "checks" not in results:
+            results["checks"] = {"ctx": ctx_check(path, budget), "memory": memory_check(path, budget,
+                                                                                         args.memory_tokens)}
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
