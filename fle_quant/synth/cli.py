@@ -35,14 +35,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fle-synth",
         description="Write a small synthetic model with llama.cpp's names, shapes and metadata, "
-                    "deterministic random weights and a chosen quant mix.",
+                    "deterministic random weights and a chosen quant mix. With --fast, a model of any size "
+                    "(random valid quant blocks for the big tensors) for speed benchmarks.",
         epilog="Example: fle-synth qwen4exp -o tiny.gguf --mix release --set block_count=8 "
-               "--set attention_indexer_top_k=32",
+               "--set attention_indexer_top_k=32. Fast: fle-synth qwen3moe --fast -o big.gguf --mix q8_0 "
+               "--rule 'ffn_(gate|up|down)_exps=IQ4_XS' --set block_count=48 --set embedding_length=2048 "
+               "--set vocab_size=151936 ...",
     )
     p.add_argument("arch", choices=ARCHS, help="architecture (general.architecture)")
     p.add_argument("-o", "--output", required=True, help="output file (x.gguf; shards become x-0000k-of-0000N.gguf)")
     p.add_argument("--seed", type=int, default=0, help="weights depend only on the seed, tensor name and shape")
-    p.add_argument("--mix", default="f32", help="quant mix preset: f32, q8_0 or release (default f32)")
+    p.add_argument("--mix", default=None,
+                   help="quant mix preset: f32, q8_0 or release (default f32; with --fast, release)")
     p.add_argument("--rule", action="append", default=[], metavar="REGEX=TYPE",
                    help="quant type for the tensors whose name matches REGEX, checked before the preset's "
                         "rules (first match wins), e.g. --rule 'ffn_(gate|up|down)_exps=IQ3_S'; repeatable. "
@@ -59,10 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", default=None, metavar="VOCAB.gguf",
                    help="take the tokenizer from this GGUF (e.g. llama.cpp's models/ggml-vocab-qwen2.gguf)")
     p.add_argument("--routing-skew", type=float, default=0.0, metavar="X",
-                   help="bias routers so some experts are popular (router logit offsets in [-X, X]; 0 = uniform)")
+                   help="bias routers so some experts are popular (router logit offsets in [-X, X]; 0 = uniform; "
+                        "with --fast, offsets X * N(0, 1) per layer and expert)")
     p.add_argument("--dead-experts", type=_dead, default=None, metavar="N|I,J,...",
                    help="N experts per layer (chosen at random), or the listed expert indices (1,6 or 1,), "
                         "are never routed")
+    p.add_argument("--fast", action="store_true",
+                   help="random valid blocks for big tensors: real-scale files in seconds, for speed benchmarks; "
+                        "the weights carry no meaning (same names, shapes, types and metadata as without --fast)")
     p.add_argument("--force", action="store_true", help="overwrite existing output")
     return p
 
@@ -78,23 +86,32 @@ def main(argv=None) -> int:
             if not sep or not key.strip():
                 raise FleError(f"--set {item!r}: expected KEY=VALUE")
             overrides[key.strip().replace(".", "_")] = value.strip()
-        mix = args.mix
+        mix = args.mix if args.mix is not None else ("release" if args.fast else "f32")
         if args.rule:
             from .mix import PRESETS
 
-            if args.mix.lower() not in PRESETS:
-                raise FleError(f"unknown mix {args.mix!r}; presets: {', '.join(PRESETS)}")
+            if mix.lower() not in PRESETS:
+                raise FleError(f"unknown mix {mix!r}; presets: {', '.join(PRESETS)}")
             rules = []
             for item in args.rule:
                 regex, sep, qtype = item.rpartition("=")
                 if not sep or not regex:
                     raise FleError(f"--rule {item!r}: expected REGEX=TYPE, e.g. 'ffn_up_exps=IQ3_S'")
                 rules.append((regex, qtype.strip()))
-            mix = rules + list(PRESETS[args.mix.lower()])
-        path = make_model(args.output, args.arch, args.seed, mix=mix, split_max_size=args.split_max_size,
-                          split_max_tensors=args.split_max_tensors, mtp=args.mtp, vocab=args.vocab,
-                          force=args.force, routing_skew=args.routing_skew, dead_experts=args.dead_experts,
-                          **overrides)
+            mix = rules + list(PRESETS[mix.lower()])
+        if args.fast:
+            from .fast import make_fast_model
+
+            path = make_fast_model(args.output, args.arch, args.seed, mix=mix,
+                                   split_max_size=args.split_max_size, split_max_tensors=args.split_max_tensors,
+                                   mtp=args.mtp, vocab=args.vocab, force=args.force,
+                                   routing_skew=args.routing_skew, dead_experts=args.dead_experts,
+                                   progress=True, **overrides)
+        else:
+            path = make_model(args.output, args.arch, args.seed, mix=mix, split_max_size=args.split_max_size,
+                              split_max_tensors=args.split_max_tensors, mtp=args.mtp, vocab=args.vocab,
+                              force=args.force, routing_skew=args.routing_skew, dead_experts=args.dead_experts,
+                              **overrides)
     except FleError as e:
         print(f"fle-synth: error: {e}", file=sys.stderr)
         return 2
