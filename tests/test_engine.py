@@ -63,7 +63,10 @@ def _engine(path, budget, tmp_path, profile="none", **kw):
 
 
 def _expert_bytes(eng) -> int:
-    return sum(l.expert_bytes for l in eng.net.layouts.values())
+    """Bytes of one expert of every layer (closes ``eng``)."""
+    n = sum(l.expert_bytes for l in eng.net.layouts.values())
+    eng.close()
+    return n
 
 
 @pytest.mark.parametrize("cache", ["small", "all", "warm"])
@@ -71,9 +74,8 @@ def test_greedy_tokens_equal_reference(model_file, reference, tmp_path, cache):
     prompt, ref_toks, _ = reference
     prof = tmp_path / "p.json"
     probe = _engine(model_file, 0, tmp_path)
-    per_layer = _expert_bytes(probe) // probe.args.n_layer
     n_exp = probe.args.n_expert
-    probe.close()
+    per_layer = _expert_bytes(probe) // probe.args.n_layer
     if cache == "warm":
         # a profile from a first run, then a warm start from it
         first = _engine(model_file, 2 * per_layer * probe.args.n_layer, tmp_path, profile=str(prof))
@@ -119,9 +121,7 @@ def test_policy_lag_one_step(model_file, tmp_path):
     """A decision taken from step t's routing (on the host, while step t + 1
     runs) is copied while step t + 2 runs and reaches the device map at the
     boundary before step t + 3, never before."""
-    probe = _engine(model_file, 0, tmp_path)
-    budget = 2 * _expert_bytes(probe)
-    probe.close()
+    budget = 2 * _expert_bytes(_engine(model_file, 0, tmp_path))
     eng = _engine(model_file, budget, tmp_path)
     cache = eng.cache
     events = []

@@ -18,7 +18,7 @@ from fle_quant.synth import ARCHS, make_model, mtp_path
 from fle_quant.synth.cli import build_parser
 from fle_quant.synth.cli import main as synth_main
 from fle_quant.synth.common import shared_direction
-from fle_quant.synth.fast import (FAST_SHARED, FAST_TYPES, _RandomSource, fast_gain, fast_plans,
+from fle_quant.synth.fast import (FAST_SHARED, FAST_TYPES, SMALL_GAIN, _RandomSource, fast_gain, fast_plans,
                                   make_fast_model)
 
 SMALL = 1 << 14  # random blocks for every matrix of the small test models
@@ -64,8 +64,10 @@ def test_same_layout_as_the_normal_factory(tmp_path, arch):
             if is_random(name, t):
                 kinds.add(t.qtype)
                 assert not same, name
+            elif name.endswith("_norm.weight") and len(t.shape) == 1:
+                assert np.all(fm.tensor_bytes(name).view(np.float32) == 1.0), name    # unit norm weights
             elif name != "token_embd.weight" and not name.endswith("ffn_gate_inp.weight"):
-                # norms, biases, HC mixers, anything small or float: the normal factory's bytes
+                # biases, HC mixers, anything small or float: the normal factory's bytes
                 assert same, name
         assert {GGMLType.Q8_0, GGMLType.IQ4_XS, GGMLType.IQ3_S, GGMLType.Q6_K} <= kinds
 
@@ -88,8 +90,8 @@ def test_random_blocks_have_the_intended_scale(tmp_path):
             seen.add(t.qtype)
     assert {GGMLType.Q4_K, GGMLType.Q2_K, GGMLType.Q5_K, GGMLType.IQ2_XS, GGMLType.IQ2_S,
             GGMLType.IQ3_XXS, GGMLType.Q6_K, GGMLType.Q8_0} <= seen
-    assert fast_gain("blk.0.ffn_down_exps.weight") == fast_gain("blk.3.ssm_out.weight") == 0.1
-    assert fast_gain("blk.0.attn_output.weight") == fast_gain("blk.0.ffn_down_shexp.weight") == 0.1
+    assert fast_gain("blk.0.ffn_down_exps.weight") == fast_gain("blk.3.ssm_out.weight") == SMALL_GAIN
+    assert fast_gain("blk.0.attn_output.weight") == fast_gain("blk.0.ffn_down_shexp.weight") == SMALL_GAIN
     assert fast_gain("blk.0.ffn_up_exps.weight") == fast_gain("output.weight") == 1.0
 
 

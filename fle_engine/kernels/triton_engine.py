@@ -28,6 +28,8 @@ synchronisation and replays as a CUDA graph.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -89,9 +91,17 @@ def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
     tl.store(y_ptr + r.to(tl.int64) * stride_y + offs_n, out, mask=mask_n)
 
 
-# output rows per program and warps, by format (H200 measurements: bench/engine_kernels.py)
-_EXPERT_BLOCK_N = {GGMLType.Q8_0: 16, GGMLType.IQ4_XS: 16, GGMLType.IQ3_S: 8, GGMLType.IQ4_NL: 16,
-                   GGMLType.Q6_K: 8}
+# (output rows per program, warps) of the two expert kernels; measured on an H200 with
+# bench/engine_kernels.py (FLE_EXPERT_CONFIG="bn_gu,warps_gu,bn_down,warps_down" overrides them for tuning)
+EXPERT_CONFIG = {"gate_up": (4, 2), "down": (8, 2)}
+
+
+def _expert_config(gate_up: bool) -> tuple[int, int]:
+    env = os.environ.get("FLE_EXPERT_CONFIG")
+    if env:
+        v = [int(x) for x in env.split(",")]
+        return (v[0], v[1]) if gate_up else (v[2], v[3])
+    return EXPERT_CONFIG["gate_up" if gate_up else "down"]
 
 
 def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
@@ -111,14 +121,14 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
     n_blocks = row_bytes // size
     word = words.element_size()
     a, b, c = fmt.tile
-    block_n = _EXPERT_BLOCK_N.get(qtype, 16)
+    block_n, warps = _expert_config(gate_up)
     grid = (triton.cdiv(n_out, block_n), ids.shape[0])
     _expert_kernel[grid](
         words, _lut(qtype, fmt, words), slot_of, ids, out if weights is None else weights, x, out,
         host_delta, part_words, n_out, n_blocks * values, n_blocks, row_bytes // word, expert_words, n_used,
         x.stride(0), out.stride(0),
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
-        BLOCK_N=block_n, GATE_UP=gate_up, num_warps=4)
+        BLOCK_N=block_n, GATE_UP=gate_up, num_warps=warps)
     return out
 
 

@@ -85,6 +85,8 @@ class ExpertCache:
         self.policy = BatchedCache(n_expert, [self.slots_per_layer[l] for l in self.layers], policy, cnt)
         self.mirror = np.full((len(self.layers), n_expert), -1, np.int32)     # what the device map holds
         self.expert_in = [np.full(max(1, self.slots_per_layer[l]), -1, np.int64) for l in self.layers]
+        self._slot2d = {l: self._slot_view(l) for l in self.layers}
+        self._host2d = {l: host.view(l) for l in self.layers}
         self.stats = CacheStats()
         self._pending: list[tuple[np.ndarray, ...]] = []
         self._in_flight: list[tuple[int, int, int]] = []
@@ -97,6 +99,10 @@ class ExpertCache:
 
     # addresses for the kernels ------------------------------------------------
     def slot_view(self, l: int) -> Tensor:
+        """uint8 [slots, expert_bytes] of layer ``l`` (at least one row)."""
+        return self._slot2d[l]
+
+    def _slot_view(self, l: int) -> Tensor:
         lay = self.layouts[l]
         n = max(1, self.slots_per_layer[l]) * lay.expert_bytes
         o = self.region[l]
@@ -158,8 +164,7 @@ class ExpertCache:
         st = self.stats
         st.steps += 1
         st.requests += ids.size
-        h = int(hits.sum())
-        st.hits += h
+        st.hits += int(np.count_nonzero(hits))
         _, adm = self.policy.step(ids)
         if len(adm[0]):
             self._pending.append(tuple(np.array(a) for a in adm))   # the policy reuses its output buffers
@@ -216,7 +221,7 @@ class ExpertCache:
         if not self.cuda:
             for li, e, s in new:
                 l = self.layers[li]
-                self.slot_view(l)[s].copy_(self.host.view(l)[e])
+                self._slot2d[l][s].copy_(self._host2d[l][e])
             return
         mark = torch.cuda.Event()
         mark.record(torch.cuda.current_stream(self.device))
@@ -224,7 +229,7 @@ class ExpertCache:
             self.copy_stream.wait_event(mark)
             for li, e, s in new:
                 l = self.layers[li]
-                self.slot_view(l)[s].copy_(self.host.view(l)[e], non_blocking=True)
+                self._slot2d[l][s].copy_(self._host2d[l][e], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.copy_stream)
         self._copy_event = ev

@@ -272,9 +272,9 @@ class Engine:
 
     # stepping ---------------------------------------------------------------------
     def _launch(self, token: "int | None") -> None:
-        t0 = time.perf_counter()
         st = self.state
         self.cache.boundary()
+        t0 = time.perf_counter()
         i = self.launched % _RING
         if token is not None:
             ev = self._ring_ev[i]

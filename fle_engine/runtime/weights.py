@@ -205,6 +205,14 @@ class HostExperts:
             _cudart().cudaHostUnregister(self.buf.ctypes.data)
             self.pinned = False
 
+    def __del__(self) -> None:
+        # the registration must end before the memory goes back to the allocator, which may hand the
+        # same addresses to the next buffer
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
     def view(self, il: int) -> Tensor:
         n = self.n_expert * self.layouts[il].expert_bytes
         o = self.offsets[il]

@@ -17,7 +17,7 @@ the values differ:
   (Q2_K, Q4_K, Q5_K) every sub-block's min index is set equal to its scale
   index and ``dmin`` to the mean quant level times ``d`` (Q4_1 and Q5_1: the
   min is minus that), so that the weights have mean zero instead of being
-  all of one sign. Gains: 0.1 for the projections that write into the
+  all of one sign. Gains: 0.005 for the projections that write into the
   residual stream (``attn_output``, ``ffn_down_exps``, ``ffn_down_shexp``,
   ``ssm_out``, ``ple_value``), 1 for the rest;
 - the token embedding is N(0, 1 - s^2) plus ``s`` = 0.9 times the
@@ -30,7 +30,9 @@ the values differ:
   and the rest scaled so that the token-dependent part of a logit has a
   std of about 1 (the router gain); ``routing_skew`` 0 gives near-uniform
   expert popularity; dead experts get -30 as in the factory;
-- every other tensor (norms, biases, the shared-expert gate, HC mixers,
+- norm weights are ones (so that the direction the routers see is the
+  shared direction itself);
+- every other tensor (biases, the shared-expert gate, HC mixers,
   anything smaller than ``random_min_values`` or stored as a float type)
   holds the normal factory's values, computed one tensor at a time while
   writing.
@@ -64,12 +66,17 @@ __all__ = ["make_fast_model", "fast_plans", "RANDOM_MIN_VALUES", "FAST_SHARED", 
 
 RANDOM_MIN_VALUES = 1 << 20   # tensors with at least this many values get random blocks
 FAST_SHARED = 0.9             # weight of the shared direction in the fast token embedding
-SMALL_GAIN = 0.1              # gain of the projections that write into the residual stream
+# gain of the projections that write into the residual stream: small, so that what the layers add (a
+# part common to all tokens, from the shared direction) does not build up into fixed router offsets over
+# 48 layers; measured on a 48-layer, 128-expert file with random tokens, skew 0: the policy's hit rate at a
+# third of the experts cached is 0.85 with 0.1, 0.47 with 0.02, 0.36 with 0.005 (near-uniform)
+SMALL_GAIN = 0.005
 EMBD_ROW_GROUP = 4096         # token embedding rows drawn from one generator
 _UNIT_BYTES = 4 << 20         # random blocks generated per call (at most)
 _SAMPLE_BLOCKS = 4096         # blocks dequantized to measure a type's factor
 
 _SMALL_GAIN_RX = re.compile(r"\.(attn_output|ffn_down_exps|ffn_down_shexp|ssm_out|ple_value)\.weight$")
+_NORM_RX = re.compile(r"_norm\.weight$")
 _ROUTER_RX = re.compile(r"^blk\.(\d+)\.ffn_gate_inp\.weight$")
 _FLOAT_TYPES = {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.F64}
 # rms of the state the router reads, relative to the residual's (qwen4exp reads HC mixer outputs)
@@ -357,6 +364,9 @@ def _plan(arch: str, meta: Sequence[KV], tensors: Sequence[TensorDef], rules, se
             il = int(router.group(1))
             dead = parse_dead_experts(dead_experts, il + 1, int(n_expert), int(n_used), seed)[il]
             src = _ValuesSource(n_bytes, _fast_router(td, seed, routing_skew, dead, along), qtype)
+        elif _NORM_RX.search(td.name) and len(td.shape) == 1:
+            # unit norm weights: the hidden state's shared direction stays the one the routers are built on
+            src = _ValuesSource(n_bytes, functools.partial(np.ones, td.shape, np.float32), qtype)
         elif qtype not in _FLOAT_TYPES and n_values >= random_min_values:
             src = _RandomSource(td.name, td.shape, qtype, seed)
         else:

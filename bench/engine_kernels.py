@@ -1,0 +1,168 @@
+"""The engine's expert and dense kernels at T = 1 against the machine's
+ceilings: HBM bandwidth (a device-to-device copy) for experts in cache slots
+and dense matrices, and the pinned host -> device copy bandwidth for missed
+experts read over PCIe. Sweeps the expert kernels' launch configurations.
+
+    python3 bench/engine_kernels.py [--sweep]
+
+Shapes: the Qwen3-30B-A3B layer (IQ4_XS experts 768 x 2048 gate/up and
+2048 x 768 down, 8 per token; Q8_0 qkv 5120 x 2048, wo 2048 x 4096,
+output 151936 x 2048). Each timed graph runs 16 layers' worth of calls on
+distinct experts so that nothing is served from L2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _time_graph(fn, reps: int = 20) -> float:
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    return best
+
+
+def ceilings() -> dict:
+    import torch
+
+    n = 1 << 30
+    x = torch.empty(n, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = _time_graph(lambda: y.copy_(x))
+    h = torch.empty(n, dtype=torch.uint8).pin_memory()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        a.record()
+        x.copy_(h, non_blocking=True)
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    return {"hbm_copy_GBps": 2 * n / t / 1e9, "pinned_h2d_GBps": n / best / 1e9}
+
+
+def expert_bench(configs, n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> list[dict]:
+    import torch
+
+    from fle_engine.kernels import triton_engine as te
+    from fle_engine.runtime.weights import ExpertLayout
+    from fle_quant.ggml_types import GGMLType
+
+    qt = GGMLType.IQ4_XS
+    lay = ExpertLayout(n_ff, n_embd, qt, n_embd // 256 * 136, qt, n_ff // 256 * 136)
+    eb = lay.expert_bytes
+    rng = np.random.default_rng(0)
+    host_np = rng.integers(0, 256, size=(n_expert, eb), dtype=np.uint8)
+    host = torch.from_numpy(host_np)        # random bytes: timing does not depend on the values
+    err = torch.cuda.cudart().cudaHostRegister(host_np.ctypes.data, host_np.nbytes, 3)
+    assert int(getattr(err, "value", err)) == 0, err
+    slots = host.cuda()
+    words = slots.view(-1).view(torch.int32)
+    delta = (host_np.ctypes.data - words.data_ptr()) // 4
+    ids = [torch.tensor(rng.permutation(n_expert)[:k], dtype=torch.int64, device="cuda") for _ in range(groups)]
+    x = torch.randn(1, n_embd, device="cuda") * 0.1
+    h = torch.zeros(k, n_ff, device="cuda")
+    y = torch.zeros(k, n_embd, device="cuda")
+    w = torch.full((k,), 0.125, device="cuda")
+    hit_map = torch.arange(n_expert, dtype=torch.int32, device="cuda")
+    miss_map = torch.full((n_expert,), -1, dtype=torch.int32, device="cuda")
+    out = []
+    bytes_layer = k * eb
+    for cfg in configs:
+        os.environ["FLE_EXPERT_CONFIG"] = ",".join(str(c) for c in cfg)
+        row = {"config": cfg}
+        for name, smap in (("hit", hit_map), ("miss", miss_map)):
+            def fn(smap=smap):
+                for g in range(groups):
+                    te.experts(words, qt, delta, 0, eb // 4, n_ff, lay.gu_row_bytes, smap, ids[g], x, h, True, k)
+                    te.experts(words, qt, delta, lay.down_offset // 4, eb // 4, n_embd, lay.down_row_bytes, smap,
+                               ids[g], h, y, False, k, w)
+            t = _time_graph(fn) / groups
+            row[name + "_us"] = t * 1e6
+            row[name + "_GBps"] = bytes_layer / t / 1e9
+        out.append(row)
+        print(row, flush=True)
+    os.environ.pop("FLE_EXPERT_CONFIG", None)
+    torch.cuda.cudart().cudaHostUnregister(host_np.ctypes.data)
+    return out
+
+
+def dense_bench() -> list[dict]:
+    import torch
+
+    from fle_engine.kernels import triton_quant
+    from fle_quant.ggml_types import GGMLType
+
+    rows = []
+    for name, n_out, n_in, reps in (("qkv", 5120, 2048, 16), ("wo", 2048, 4096, 16), ("output", 151936, 2048, 1)):
+        mats = [torch.randint(0, 256, (n_out, n_in // 32 * 34), dtype=torch.uint8, device="cuda")
+                for _ in range(reps)]
+        for m in mats:
+            m.view(-1, 34)[:, :2] = torch.tensor([0x00, 0x14], dtype=torch.uint8, device="cuda")   # d = ~0.001
+        x = torch.randn(1, n_in, device="cuda")
+        y = torch.zeros(1, n_out, device="cuda")
+        t = _time_graph(lambda: [triton_quant.mul_mat(m, GGMLType.Q8_0, x, out=y) for m in mats]) / reps
+        rows.append({"matrix": name, "us": t * 1e6, "GBps": mats[0].numel() / t / 1e9})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sweep", action="store_true", help="try launch configurations of the expert kernels")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    import json
+
+    from fle_engine.kernels import triton_engine as te
+
+    res = {"ceilings": ceilings()}
+    print(res["ceilings"], flush=True)
+    base = tuple(te.EXPERT_CONFIG["gate_up"]) + tuple(te.EXPERT_CONFIG["down"])
+    configs = [base]
+    if args.sweep:
+        gu = [(2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4)]
+        dn = [(4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4)]
+        configs = sorted(set([base] + [g + d for g, d in zip(gu, dn)] + [g + base[2:] for g in gu]
+                             + [base[:2] + d for d in dn]))
+    res["experts"] = expert_bench(configs)
+    res["dense"] = dense_bench()
+    hbm, pin = res["ceilings"]["hbm_copy_GBps"], res["ceilings"]["pinned_h2d_GBps"]
+    best_hit = min(res["experts"], key=lambda r: r["hit_us"])
+    best_miss = min(res["experts"], key=lambda r: r["miss_us"])
+    print(f"experts, slots: best {best_hit['config']} {best_hit['hit_GBps']:.0f} GB/s = {best_hit['hit_GBps'] / hbm:.2f} "
+          f"of HBM; misses: best {best_miss['config']} {best_miss['miss_GBps']:.1f} GB/s = "
+          f"{best_miss['miss_GBps'] / pin:.2f} of the pinned copy")
+    for r in res["dense"]:
+        print(f"dense {r['matrix']}: {r['GBps']:.0f} GB/s = {r['GBps'] / hbm:.2f} of HBM")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
