@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--checks", action="store_true",
                    help="also: decode step cost at position 1,000 with 8,192 and 131,072 positions allocated, and "
-                        "GPU memory over --memory-tokens decoded tokens (on the first file)")
+                        "GPU memory over --memory-tokens decoded tokens (on the last file)")
     p.add_argument("--memory-tokens", type=int, default=10000)
     args = p.parse_args(argv)
 
@@ -301,7 +301,7 @@ def main(argv=None) -> int:
                 msg += f", upstream {row['upstream_all_gpu_tok_s']:.1f}, ratio {row['all_gpu_ratio']:.2f}"
             print(msg, flush=True)
         results["runs"].append(row)
-        if args.checks and "checks" not in results:
+        if args.checks and routing == args.routing.split(",")[-1]:
             results["checks"] = {"ctx": ctx_check(path, budget), "memory": memory_check(path, budget,
                                                                                          args.memory_tokens)}
         if args.json:

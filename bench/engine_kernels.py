@@ -142,8 +142,9 @@ def main(argv=None) -> int:
 
     res = {"ceilings": ceilings()}
     print(res["ceilings"], flush=True)
-    base = tuple(te.EXPERT_CONFIG["gate_up"]) + tuple(te.EXPERT_CONFIG["down"])
-    configs = [base]
+    miss = tuple(te.EXPERT_CONFIG["miss"][0]) + tuple(te.EXPERT_CONFIG["miss"][1])
+    base = tuple(te.EXPERT_CONFIG["hit"][0]) + tuple(te.EXPERT_CONFIG["hit"][1])
+    configs = [base, miss]
     if args.sweep:
         gu = [(2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4)]
         dn = [(4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4)]

@@ -12,7 +12,8 @@ reference elsewhere, or Triton's interpreter on CPU tensors in tests.
 Signatures (both sides; outputs written in place):
 
 - ``experts(store, qtype, host_delta, part_words, expert_words, n_out,
-  row_bytes, slot_of, ids, x, out, gate_up, n_used, weights=None)``
+  row_bytes, slot_of, ids, x, out, gate_up, n_used, weights=None,
+  mode="miss")`` (mode: the fast kernel's launch configuration)
 - ``route_topk(logits, n_used, scale, slot_of, ids, weights, log, hits)``
 - ``add_rmsnorm(x, parts, weight, eps, out)``
 - ``qk_rope_kv(qkv, q_norm, k_norm, eps, cos, sin, pos, n_head, n_kv,
@@ -52,7 +53,7 @@ class ExpertWords:
 
 def experts_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
                 n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
-                gate_up: bool, n_used: int, weights: "Tensor | None" = None) -> Tensor:
+                gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss") -> Tensor:
     word = store.word
     start = part_words * word
     n_rows = 2 * n_out if gate_up else n_out

@@ -91,22 +91,25 @@ def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
     tl.store(y_ptr + r.to(tl.int64) * stride_y + offs_n, out, mask=mask_n)
 
 
-# (output rows per program, warps) of the two expert kernels; measured on an H200 with
-# bench/engine_kernels.py (FLE_EXPERT_CONFIG="bn_gu,warps_gu,bn_down,warps_down" overrides them for tuning)
-EXPERT_CONFIG = {"gate_up": (4, 2), "down": (8, 2)}
+# (output rows per program, warps) of the two expert kernels, measured on an H200 with
+# bench/engine_kernels.py --sweep (8 IQ4_XS experts of 768 x 2048): reads over PCIe want many small
+# programs (2,1 / 4,1: 43 GB/s, against 30 GB/s for 16,4 / 32,4), reads from the slots larger ones
+# (16,4 / 8,2: 30 us against 38 us). "miss" is used when a layer can miss, "hit" when every expert of
+# every layer is cached. FLE_EXPERT_CONFIG="bn_gu,warps_gu,bn_down,warps_down" overrides both (tuning).
+EXPERT_CONFIG = {"miss": ((2, 1), (4, 1)), "hit": ((16, 4), (8, 2))}
 
 
-def _expert_config(gate_up: bool) -> tuple[int, int]:
+def _expert_config(gate_up: bool, mode: str) -> tuple[int, int]:
     env = os.environ.get("FLE_EXPERT_CONFIG")
     if env:
         v = [int(x) for x in env.split(",")]
         return (v[0], v[1]) if gate_up else (v[2], v[3])
-    return EXPERT_CONFIG["gate_up" if gate_up else "down"]
+    return EXPERT_CONFIG[mode][0 if gate_up else 1]
 
 
 def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
             n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
-            gate_up: bool, n_used: int, weights: "Tensor | None" = None) -> Tensor:
+            gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss") -> Tensor:
     """One matrix product of the routed experts (see the module docstring).
 
     ``words``: the slot buffer viewed as the format's words; slot ``s`` of
@@ -115,13 +118,14 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
     an expert. ``ids`` int64 ``[R]`` (R = tokens x n_used), ``x`` float32
     ``[T, n_in]`` (gate_up: token r // n_used) or ``[R, n_in]`` (down),
     ``out`` float32 ``[R, n_out]``; ``weights`` float32 ``[R]`` scale the
-    down rows."""
+    down rows. ``mode``: the launch configuration, "miss" when rows may be
+    read from host memory, "hit" when all are cached."""
     fmt = _FORMATS[qtype]
     values, size = BLOCK_GEOMETRY[qtype]
     n_blocks = row_bytes // size
     word = words.element_size()
     a, b, c = fmt.tile
-    block_n, warps = _expert_config(gate_up)
+    block_n, warps = _expert_config(gate_up, mode)
     grid = (triton.cdiv(n_out, block_n), ids.shape[0])
     _expert_kernel[grid](
         words, _lut(qtype, fmt, words), slot_of, ids, out if weights is None else weights, x, out,

@@ -81,6 +81,8 @@ class ExpertCache:
         self.slots = torch.zeros(off, dtype=torch.uint8, device=device)
         self.map = torch.full((len(self.layers), n_expert), -1, dtype=torch.int32, device=device)
         self.index = {l: i for i, l in enumerate(self.layers)}
+        # the expert kernels' launch configuration: misses possible, or every expert cached
+        self.mode = "hit" if all(self.slots_per_layer[l] >= n_expert for l in self.layers) else "miss"
         cnt = None if counts is None else np.stack([np.asarray(counts[l], np.float64) for l in self.layers])
         self.policy = BatchedCache(n_expert, [self.slots_per_layer[l] for l in self.layers], policy, cnt)
         self.mirror = np.full((len(self.layers), n_expert), -1, np.int32)     # what the device map holds

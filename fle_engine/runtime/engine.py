@@ -118,7 +118,7 @@ class Engine:
         if ctx_size <= 0:
             ctx_size = max_ctx
         if ctx_size > max_ctx:
-            raise FleError(f"--ctx-size {ctx_size}: the model's context is {max_ctx} tokens")
+            self.log(f"fle-engine: warning: --ctx-size {ctx_size} is beyond the model's training context ({max_ctx})")
         self.ctx_size = int(ctx_size)
 
         # routed experts: one host buffer, read once from the file

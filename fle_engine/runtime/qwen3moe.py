@@ -145,12 +145,12 @@ class Net:
             if state.fast:
                 words, delta = cache.words(il, lay.gu_type)
                 ops.experts(words, lay.gu_type, delta, 0, lay.expert_bytes // words.element_size(), lay.n_ff,
-                            lay.gu_row_bytes, smap, ids, b.xn, b.h, True, a.n_expert_used)
+                            lay.gu_row_bytes, smap, ids, b.xn, b.h, True, a.n_expert_used, mode=cache.mode)
                 words, delta = cache.words(il, lay.down_type)
                 wsz = words.element_size()
                 ops.experts(words, lay.down_type, delta, lay.down_offset // wsz, lay.expert_bytes // wsz, a.n_embd,
                             lay.down_row_bytes, smap, ids, b.h, b.y.view(a.n_expert_used, -1), False,
-                            a.n_expert_used, b.wts.view(-1))
+                            a.n_expert_used, b.wts.view(-1), mode=cache.mode)
             else:
                 st = cache.reference_store(il, lay.gu_type)
                 ops.experts(st, lay.gu_type, 0, 0, 0, lay.n_ff, lay.gu_row_bytes, smap, ids, b.xn, b.h, True,
