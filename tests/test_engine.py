@@ -341,3 +341,15 @@ def test_captured_step_has_no_host_sync(model_file, tmp_path):
     with pytest.raises(Exception):
         eng._capture()
     eng.close()
+
+
+def test_cli_device_options():
+    from fle_engine.cli import resolve_device
+
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda" if CUDA else "cpu")
+    with pytest.raises(FleError, match="expected auto, cpu or cuda"):
+        resolve_device("foo")
+    if not CUDA:
+        with pytest.raises(FleError, match="no CUDA device"):
+            resolve_device("cuda")

@@ -85,6 +85,8 @@ class ExpertCache:
         self.mode = "hit" if all(self.slots_per_layer[l] >= n_expert for l in self.layers) else "miss"
         cnt = None if counts is None else np.stack([np.asarray(counts[l], np.float64) for l in self.layers])
         self.policy = BatchedCache(n_expert, [self.slots_per_layer[l] for l in self.layers], policy, cnt)
+        # compile the policy's kernel now (numba, ~0.5 s on first use), not inside the first steps
+        BatchedCache(n_expert, [1], policy).step(np.zeros((1, 1), np.int32))
         self.mirror = np.full((len(self.layers), n_expert), -1, np.int32)     # what the device map holds
         self.expert_in = [np.full(max(1, self.slots_per_layer[l]), -1, np.int64) for l in self.layers]
         self._slot2d = {l: self._slot_view(l) for l in self.layers}
