@@ -32,13 +32,13 @@ from ..expert_cache import CachePolicy, Profile, load_profile, model_fingerprint
 from ..kernels import engine_ops
 from ..layers import rope_table
 from ..loader import Weights
-from . import qwen3moe
+from . import qwen3moe, qwen3next
 from .cache import ExpertCache
 from .weights import HostExperts
 
 __all__ = ["Engine", "RunStats", "ARCHS", "KV_TYPES", "parse_budget"]
 
-ARCHS = {"qwen3moe": qwen3moe}
+ARCHS = {"qwen3moe": qwen3moe, "qwen3next": qwen3next}
 KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 PROFILE_EVERY_S = 600.0
 _RING = 8
@@ -128,9 +128,7 @@ class Engine:
         # KV cache, rotary table, step buffers
         kd, vd = KV_TYPES[cache_type_k], KV_TYPES[cache_type_v]
         st = self.state = SimpleNamespace(fast=self.fast, bufs=SimpleNamespace())
-        st.kv = [(torch.zeros(a.n_head_kv, self.ctx_size, a.head_dim, dtype=kd, device=self.device),
-                  torch.zeros(a.n_head_kv, self.ctx_size, a.head_dim, dtype=vd, device=self.device))
-                 for _ in range(a.n_layer)]
+        st.kv = self.net.new_caches(self.ctx_size, kd, vd)
         cos, sin = rope_table(a.n_rot, a.rope_base, self.ctx_size, a.rope_freq_scale)
         st.rope_cos, st.rope_sin = torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device)
         st.tok = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -138,7 +136,7 @@ class Engine:
         st.ids_log = torch.zeros(a.n_layer, a.n_expert_used, dtype=torch.int32, device=self.device)
         st.hit_log = torch.zeros(a.n_layer, a.n_expert_used, dtype=torch.int32, device=self.device)
         self.net.alloc(st)
-        self.kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in st.kv)
+        self.kv_bytes = sum(t.numel() * t.element_size() for c in st.kv for t in c)
 
         # the expert cache under its budget
         self.fingerprint = model_fingerprint(gguf)
@@ -243,6 +241,7 @@ class Engine:
             self.net.step(st, self.ops, self.cache)
         self._graph = g
         st.pos.zero_()
+        self.net.reset(st)
         torch.cuda.synchronize(self.device)
 
     def memory_report(self) -> dict:
@@ -314,6 +313,7 @@ class Engine:
     def reset(self) -> None:
         """Start a new sequence at position 0 (the expert cache keeps its contents)."""
         self.state.pos.zero_()
+        self.net.reset(self.state)
         self.launched = self.consumed = 0
         self.length = 0
 

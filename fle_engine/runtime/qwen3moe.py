@@ -7,12 +7,16 @@ they share a quant type); q/k norms, rotary and the KV write are one
 kernel; attention is a split pass and a reduction over the used length;
 the router is one float32 product, softmax/top-K one kernel, and the
 routed experts two (gate+up with SwiGLU, down with the routing weights).
+
+The pieces (attention, routed MoE with an optional shared expert, the
+buffers) are methods that :mod:`.qwen3next` reuses.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..models.qwen3moe import ModelArgs
@@ -22,18 +26,29 @@ ARCH = "qwen3moe"
 
 
 @dataclass
-class Layer:
-    attn_norm: Tensor
-    qkv: "W.DenseMatrix | None"
-    q: W.DenseMatrix
-    k: W.DenseMatrix
-    v: W.DenseMatrix
+class Attn:
+    qkv: "W.DenseMatrix | None"          # rows q | k | v (| gate), or None: separate products
+    parts: "list[W.DenseMatrix] | None"
     wo: W.DenseMatrix
     q_norm: Tensor
     k_norm: Tensor
-    ffn_norm: Tensor
-    router: Tensor          # float32 [E, D]
+    gated: bool = False
+
+
+@dataclass
+class Moe:
+    router: Tensor                       # float32 [E, D]
     layout: W.ExpertLayout
+    shared: "tuple[W.DenseMatrix, W.DenseMatrix, W.DenseMatrix] | None" = None
+    shared_gate: "Tensor | None" = None  # float32 [1, D]
+
+
+@dataclass
+class Layer:
+    attn_norm: Tensor
+    mixer: object
+    ffn_norm: Tensor
+    moe: Moe
 
 
 class Net:
@@ -42,50 +57,89 @@ class Net:
     Args = ModelArgs
 
     def __init__(self, gguf, weights_view, device: torch.device, fast: bool):
-        a = self.args = ModelArgs.from_weights(weights_view)
-        self.device = device
-        hd = a.head_dim
-        self.layers: list[Layer] = []
+        self.args = self.Args.from_weights(weights_view)
+        self.gguf, self.device, self.fast = gguf, device, fast
         self.expert_sources: dict[int, list] = {}
-        for il in range(a.n_layer):
-            p = f"blk.{il}."
-            if p + "attn_qkv.weight" in gguf.tensors:
-                qkv = W.dense(gguf, p + "attn_qkv.weight", device, (a.n_head + 2 * a.n_head_kv) * hd, a.n_embd,
-                              fast_needed=fast)
-                q = k = v = qkv
-            else:
-                q = W.dense(gguf, p + "attn_q.weight", device, a.n_head * hd, a.n_embd, fast_needed=fast)
-                k = W.dense(gguf, p + "attn_k.weight", device, a.n_head_kv * hd, a.n_embd, fast_needed=fast)
-                v = W.dense(gguf, p + "attn_v.weight", device, a.n_head_kv * hd, a.n_embd, fast_needed=fast)
-                qkv = W.concat([q, k, v], p + "attn_qkv")
-                if qkv is not None:
-                    q = k = v = None
-            lay, src = W.expert_layout(gguf, il, a.n_ff_exp, a.n_embd, fast_needed=fast)
-            self.expert_sources[il] = src
-            router = W.vector(gguf, p + "ffn_gate_inp.weight", device, a.n_expert * a.n_embd).view(a.n_expert, a.n_embd)
-            self.layers.append(Layer(
-                attn_norm=W.vector(gguf, p + "attn_norm.weight", device, a.n_embd),
-                qkv=qkv, q=q, k=k, v=v,
-                wo=W.dense(gguf, p + "attn_output.weight", device, a.n_embd, a.n_head * hd, fast_needed=fast),
-                q_norm=W.vector(gguf, p + "attn_q_norm.weight", device, hd),
-                k_norm=W.vector(gguf, p + "attn_k_norm.weight", device, hd),
-                ffn_norm=W.vector(gguf, p + "ffn_norm.weight", device, a.n_embd),
-                router=router.contiguous(), layout=lay))
+        self.layers = [self.load_layer(il) for il in range(self.args.n_layer)]
+        a = self.args
         self.output_norm = W.vector(gguf, "output_norm.weight", device, a.n_embd)
         head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
-        self.output = W.dense(gguf, head, device, a.n_vocab, a.n_embd, fast_needed=fast)
-        self.tok_embd = W.dense(gguf, "token_embd.weight", device, a.n_vocab, a.n_embd, fast_needed=fast)
-        self.layouts = {il: self.layers[il].layout for il in range(a.n_layer)}
+        self.output = self.dense(head, a.n_vocab, a.n_embd)
+        self.tok_embd = self.dense("token_embd.weight", a.n_vocab, a.n_embd)
+        self.layouts = {il: L.moe.layout for il, L in enumerate(self.layers)}
+        self.gguf = None
+
+    # loading -----------------------------------------------------------------------
+    def dense(self, name: str, n_out: int, n_in: int, rows=None) -> W.DenseMatrix:
+        return W.dense(self.gguf, name, self.device, n_out, n_in, fast_needed=self.fast, rows=rows)
+
+    def vec(self, name: str, n: int) -> Tensor:
+        return W.vector(self.gguf, name, self.device, n)
+
+    def load_layer(self, il: int) -> Layer:
+        p, a = f"blk.{il}.", self.args
+        return Layer(self.vec(p + "attn_norm.weight", a.n_embd), self.load_attention(il),
+                     self.vec(p + "ffn_norm.weight", a.n_embd), self.load_moe(il))
+
+    def load_attention(self, il: int, gated: bool = False) -> Attn:
+        """q, k, v (one product when the types allow), output, q/k norms;
+        ``gated``: attn_q holds per head Dh query rows then Dh gate rows
+        (qwen3next), which are reordered into a q block and a gate block."""
+        p, a = f"blk.{il}.", self.args
+        hd, nq, nkv = a.head_dim, a.n_head * a.head_dim, a.n_head_kv * a.head_dim
+        g = self.gguf
+        if p + "attn_qkv.weight" in g.tensors and not gated:
+            parts = [self.dense(p + "attn_qkv.weight", nq + 2 * nkv, a.n_embd)]
+        else:
+            if gated:
+                idx = torch.arange(2 * nq).view(a.n_head, 2, hd)
+                q = self.dense(p + "attn_q.weight", nq, a.n_embd, rows=idx[:, 0].reshape(-1).numpy())
+                gate = self.dense(p + "attn_q.weight", nq, a.n_embd, rows=idx[:, 1].reshape(-1).numpy())
+            else:
+                q = self.dense(p + "attn_q.weight", nq, a.n_embd)
+            parts = [q, self.dense(p + "attn_k.weight", nkv, a.n_embd), self.dense(p + "attn_v.weight", nkv, a.n_embd)]
+            if gated:
+                parts.append(gate)
+        qkv = parts[0] if len(parts) == 1 else W.concat(parts, p + "attn_qkv")
+        return Attn(qkv=qkv, parts=None if qkv is not None else parts,
+                    wo=self.dense(p + "attn_output.weight", a.n_embd, nq),
+                    q_norm=self.vec(p + "attn_q_norm.weight", hd), k_norm=self.vec(p + "attn_k_norm.weight", hd),
+                    gated=gated)
+
+    def load_moe(self, il: int, shared: bool = False) -> Moe:
+        p, a = f"blk.{il}.", self.args
+        lay, src = W.expert_layout(self.gguf, il, a.n_ff_exp, a.n_embd, fast_needed=self.fast)
+        self.expert_sources[il] = src
+        router = self.vec(p + "ffn_gate_inp.weight", a.n_expert * a.n_embd).view(a.n_expert, a.n_embd).contiguous()
+        sh = sg = None
+        if shared and p + "ffn_up_shexp.weight" in self.gguf.tensors:
+            f = a.n_ff_shexp
+            sh = (self.dense(p + "ffn_gate_shexp.weight", f, a.n_embd), self.dense(p + "ffn_up_shexp.weight", f, a.n_embd),
+                  self.dense(p + "ffn_down_shexp.weight", a.n_embd, f))
+            if p + "ffn_gate_inp_shexp.weight" in self.gguf.tensors:
+                sg = self.vec(p + "ffn_gate_inp_shexp.weight", a.n_embd).view(1, a.n_embd)
+        return Moe(router, lay, sh, sg)
 
     @property
     def dense_bytes(self) -> int:
-        n = self.output.nbytes + (self.tok_embd.nbytes if self.tok_embd is not self.output else 0)
+        mats = [self.output] + ([self.tok_embd] if self.tok_embd is not self.output else [])
+        n = sum(m.nbytes for m in mats)
         for L in self.layers:
-            mats = [L.qkv] if L.qkv is not None else [L.q, L.k, L.v]
-            n += sum(m.nbytes for m in mats) + L.wo.nbytes + L.router.numel() * 4
+            n += sum(m.nbytes for m in vars(L.mixer).values() if isinstance(m, W.DenseMatrix))
+            n += sum(m.nbytes for ms in vars(L.mixer).values() if isinstance(ms, list) for m in ms)
+            n += L.moe.router.numel() * 4 + sum(m.nbytes for m in (L.moe.shared or ()))
         return n
 
-    # buffers -----------------------------------------------------------------------
+    # state and buffers ---------------------------------------------------------------
+    def new_caches(self, ctx: int, k_dtype, v_dtype) -> list:
+        a = self.args
+        return [(torch.zeros(a.n_head_kv, ctx, a.head_dim, dtype=k_dtype, device=self.device),
+                 torch.zeros(a.n_head_kv, ctx, a.head_dim, dtype=v_dtype, device=self.device))
+                for _ in range(a.n_layer)]
+
+    def reset(self, state) -> None:
+        """A new sequence: attention caches are addressed by position, nothing to clear."""
+
     def alloc(self, state) -> None:
         """The step's device buffers (static addresses for graph capture)."""
         a, dev = self.args, self.device
@@ -94,7 +148,7 @@ class Net:
         b = state.bufs
         b.x = torch.zeros(1, a.n_embd, **f32)
         b.xn = torch.zeros(1, a.n_embd, **f32)
-        b.qkv = torch.zeros(1, (a.n_head + 2 * a.n_head_kv) * hd, **f32)
+        b.qkv = torch.zeros(1, (2 * a.n_head + 2 * a.n_head_kv) * hd, **f32)     # room for a gate block
         b.q = torch.zeros(a.n_head * hd, **f32)
         b.o = torch.zeros(1, a.n_head * hd, **f32)
         b.attn_out = torch.zeros(1, 1, a.n_embd, **f32)
@@ -102,7 +156,12 @@ class Net:
         b.ids = torch.zeros(1, a.n_expert_used, dtype=torch.int64, device=dev)
         b.wts = torch.zeros(1, a.n_expert_used, **f32)
         b.h = torch.zeros(a.n_expert_used, a.n_ff_exp, **f32)
-        b.y = torch.zeros(1, a.n_expert_used, a.n_embd, **f32)
+        n_sh = int(any(L.moe.shared is not None for L in self.layers))
+        b.y = torch.zeros(1, a.n_expert_used + n_sh, a.n_embd, **f32)                 # routed outputs (+ shared)
+        if n_sh:
+            f = a.n_ff_shexp
+            b.sg, b.su = torch.zeros(1, f, **f32), torch.zeros(1, f, **f32)
+            b.sgate = torch.zeros(1, 1, **f32)
         b.logits = torch.zeros(1, a.n_vocab, **f32)
         if state.fast:
             from ..kernels.triton_engine import attn_scratch
@@ -111,56 +170,97 @@ class Net:
         else:
             b.partial = b.ml = None
 
-    def step(self, state, ops, cache) -> None:
-        """One decode token: reads ``state.tok`` and ``state.pos`` on the
-        device, writes the logits and the next greedy token, advances pos."""
+    # the step ------------------------------------------------------------------------
+    def impl(self, state) -> str:
+        return "triton" if state.fast else "reference"
+
+    def mix(self, L: Layer, il: int, state, ops) -> None:
+        """The layer's token mixer: b.xn -> b.attn_out."""
+        self.attention(L.mixer, il, state, ops)
+
+    def attention(self, at: Attn, il: int, state, ops) -> None:
+        """b.xn -> b.attn_out (attention of the current token)."""
+        a, b, hd = self.args, state.bufs, self.args.head_dim
+        impl = self.impl(state)
+        nq, nkv = a.n_head * hd, a.n_head_kv * hd
+        if at.qkv is not None:
+            at.qkv.matvec(b.xn, b.qkv[:, :at.qkv.n_out], impl)
+        else:
+            off = 0
+            for m in at.parts:
+                m.matvec(b.xn, b.qkv[:, off:off + m.n_out], impl)
+                off += m.n_out
+        kc, vc = state.kv[il]
+        ops.qk_rope_kv(b.qkv[0, :nq + 2 * nkv], at.q_norm, at.k_norm, a.eps, state.rope_cos, state.rope_sin, state.pos,
+                       a.n_head, a.n_head_kv, hd, a.n_rot, b.q, kc, vc)
+        ops.attention(b.q, kc, vc, state.pos, getattr(a, "attn_scale", hd ** -0.5), b.o.view(-1), b.partial, b.ml)
+        if at.gated:
+            b.o.mul_(torch.sigmoid(b.qkv[:, nq + 2 * nkv:2 * nq + 2 * nkv]))
+        at.wo.matvec(b.o, b.attn_out.view(1, -1), impl)
+
+    def moe(self, m: Moe, il: int, state, ops, cache) -> None:
+        """b.xn -> b.y [1, K (+1), D]: the weighted routed experts (and the
+        gated shared expert)."""
         a, b = self.args, state.bufs
-        impl = "triton" if state.fast else "reference"
-        hd = a.head_dim
+        impl = self.impl(state)
+        k = a.n_expert_used
+        torch.matmul(b.xn, m.router.T, out=b.router)
+        smap = cache.layer_map(il)
+        ops.route_topk(b.router, k, a.expert_weights_scale, smap, b.ids, b.wts, state.ids_log[il:il + 1],
+                       state.hit_log[il:il + 1])
+        ids, lay = b.ids.view(-1), m.layout
+        y = b.y[0, :k]
+        if state.fast:
+            words, delta = cache.words(il, lay.gu_type)
+            ops.experts(words, lay.gu_type, delta, 0, lay.expert_bytes // words.element_size(), lay.n_ff,
+                        lay.gu_row_bytes, smap, ids, b.xn, b.h, True, k, mode=cache.mode)
+            words, delta = cache.words(il, lay.down_type)
+            wsz = words.element_size()
+            ops.experts(words, lay.down_type, delta, lay.down_offset // wsz, lay.expert_bytes // wsz, a.n_embd,
+                        lay.down_row_bytes, smap, ids, b.h, y, False, k, b.wts.view(-1), mode=cache.mode)
+        else:
+            st = cache.reference_store(il, lay.gu_type)
+            ops.experts(st, lay.gu_type, 0, 0, 0, lay.n_ff, lay.gu_row_bytes, smap, ids, b.xn, b.h, True, k)
+            st = cache.reference_store(il, lay.down_type)
+            ops.experts(st, lay.down_type, 0, lay.down_offset // st.word, 0, a.n_embd, lay.down_row_bytes, smap,
+                        ids, b.h, y, False, k, b.wts.view(-1))
+        if m.shared is not None:
+            g, u, d = m.shared
+            g.matvec(b.xn, b.sg, impl)
+            u.matvec(b.xn, b.su, impl)
+            b.sg.copy_(F.silu(b.sg) * b.su)
+            d.matvec(b.sg, b.y[:, k], impl)
+            if m.shared_gate is not None:
+                torch.matmul(b.xn, m.shared_gate.T, out=b.sgate)
+                b.y[:, k].mul_(torch.sigmoid(b.sgate))
+
+    def moe_parts(self, m: Moe, state) -> Tensor:
+        """The parts of b.y that layer's MoE wrote: K routed (+ the shared expert)."""
+        return state.bufs.y[:, :self.args.n_expert_used + (m.shared is not None)]
+
+    def embed(self, state, ops) -> None:
+        b = state.bufs
         if self.tok_embd.qtype in W.FLOAT_TYPES:
             b.x.copy_(self.tok_embd.data[state.tok])
         else:
             ops.embed_row(self.tok_embd.data, self.tok_embd.qtype, state.tok, b.x.view(-1))
-        ops.add_rmsnorm(b.x, None, self.layers[0].attn_norm, a.eps, b.xn)
-        nq, nkv = a.n_head * hd, a.n_head_kv * hd
-        for il, L in enumerate(self.layers):
-            if L.qkv is not None:
-                L.qkv.matvec(b.xn, b.qkv, impl)
-            else:
-                L.q.matvec(b.xn, b.qkv[:, :nq], impl)
-                L.k.matvec(b.xn, b.qkv[:, nq:nq + nkv], impl)
-                L.v.matvec(b.xn, b.qkv[:, nq + nkv:], impl)
-            kc, vc = state.kv[il]
-            ops.qk_rope_kv(b.qkv.view(-1), L.q_norm, L.k_norm, a.eps, state.rope_cos, state.rope_sin, state.pos,
-                           a.n_head, a.n_head_kv, hd, a.n_rot, b.q, kc, vc)
-            ops.attention(b.q, kc, vc, state.pos, hd ** -0.5, b.o.view(-1), b.partial, b.ml)
-            L.wo.matvec(b.o, b.attn_out.view(1, -1), impl)
-            ops.add_rmsnorm(b.x, b.attn_out, L.ffn_norm, a.eps, b.xn)
-            torch.matmul(b.xn, L.router.T, out=b.router)
-            smap = cache.layer_map(il)
-            ops.route_topk(b.router, a.n_expert_used, a.expert_weights_scale, smap, b.ids, b.wts,
-                           state.ids_log[il:il + 1], state.hit_log[il:il + 1])
-            ids = b.ids.view(-1)
-            lay = L.layout
-            if state.fast:
-                words, delta = cache.words(il, lay.gu_type)
-                ops.experts(words, lay.gu_type, delta, 0, lay.expert_bytes // words.element_size(), lay.n_ff,
-                            lay.gu_row_bytes, smap, ids, b.xn, b.h, True, a.n_expert_used, mode=cache.mode)
-                words, delta = cache.words(il, lay.down_type)
-                wsz = words.element_size()
-                ops.experts(words, lay.down_type, delta, lay.down_offset // wsz, lay.expert_bytes // wsz, a.n_embd,
-                            lay.down_row_bytes, smap, ids, b.h, b.y.view(a.n_expert_used, -1), False,
-                            a.n_expert_used, b.wts.view(-1), mode=cache.mode)
-            else:
-                st = cache.reference_store(il, lay.gu_type)
-                ops.experts(st, lay.gu_type, 0, 0, 0, lay.n_ff, lay.gu_row_bytes, smap, ids, b.xn, b.h, True,
-                            a.n_expert_used)
-                st = cache.reference_store(il, lay.down_type)
-                ops.experts(st, lay.down_type, 0, lay.down_offset // st.word, 0, a.n_embd, lay.down_row_bytes, smap,
-                            ids, b.h, b.y.view(a.n_expert_used, -1), False, a.n_expert_used, b.wts.view(-1))
-            nxt = self.layers[il + 1].attn_norm if il + 1 < len(self.layers) else self.output_norm
-            ops.add_rmsnorm(b.x, b.y, nxt, a.eps, b.xn)
-        self.output.matvec(b.xn, b.logits, impl)
+
+    def head(self, state, ops) -> None:
+        b = state.bufs
+        self.output.matvec(b.xn, b.logits, self.impl(state))
         torch.argmax(b.logits, dim=-1, out=state.tok)
         state.pos.add_(1)
 
+    def step(self, state, ops, cache) -> None:
+        """One decode token: reads ``state.tok`` and ``state.pos`` on the
+        device, writes the logits and the next greedy token, advances pos."""
+        a, b = self.args, state.bufs
+        self.embed(state, ops)
+        ops.add_rmsnorm(b.x, None, self.layers[0].attn_norm, a.eps, b.xn)
+        for il, L in enumerate(self.layers):
+            self.mix(L, il, state, ops)
+            ops.add_rmsnorm(b.x, b.attn_out, L.ffn_norm, a.eps, b.xn)
+            self.moe(L.moe, il, state, ops, cache)
+            nxt = self.layers[il + 1].attn_norm if il + 1 < len(self.layers) else self.output_norm
+            ops.add_rmsnorm(b.x, self.moe_parts(L.moe, state), nxt, a.eps, b.xn)
+        self.head(state, ops)

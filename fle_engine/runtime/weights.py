@@ -77,24 +77,27 @@ def _dense_config(n_out: int, n_tok: int):
     return Config(block_n=block_n, num_warps=4 if block_n >= 8 else 2, t_pad=1)
 
 
-def dense(gguf, name: str, device, n_out: int, n_in: int, *, fast_needed: bool) -> DenseMatrix:
-    """Tensor ``name`` as a :class:`DenseMatrix` on ``device``. A block type
-    without a fast kernel is refused when ``fast_needed``."""
+def dense(gguf, name: str, device, n_out: int, n_in: int, *, fast_needed: bool, rows=None) -> DenseMatrix:
+    """Tensor ``name`` as a :class:`DenseMatrix` on ``device``; ``rows``
+    (indices) keeps those rows only, in that order (rows are quantized one
+    by one, so their bytes move as they are). A block type without a fast
+    kernel is refused when ``fast_needed``."""
     info = gguf.info(name)
     shape = tuple(reversed(info.shape))
-    if shape != (n_out, n_in):
+    want = (n_out if rows is None else shape[0], n_in)
+    if len(shape) != 2 or shape != want or (rows is not None and len(rows) != n_out):
         raise FleError(f"{gguf.paths[0]}: tensor {name!r} has shape {list(shape)}; the hyperparameters "
                        f"need {[n_out, n_in]}")
-    raw = gguf.tensor_bytes(name)
+    raw = gguf.tensor_bytes(name).reshape(shape[0], -1)
+    if rows is not None:
+        raw = raw[np.asarray(rows)]
     qt = GGMLType(info.qtype)
     if qt == GGMLType.F32:
-        data = torch.from_numpy(np.array(raw.view(np.float32)).reshape(n_out, n_in))
-    elif qt in (GGMLType.F16, GGMLType.BF16):
-        # float32 for the matmul (a float16 copy would save memory but these files are rare)
-        if qt == GGMLType.F16:
-            data = torch.from_numpy(raw.view(np.float16).astype(np.float32).reshape(n_out, n_in))
-        else:
-            data = torch.from_numpy(np.array(raw.view(np.int16))).view(torch.bfloat16).float().reshape(n_out, n_in)
+        data = torch.from_numpy(np.array(raw).view(np.float32).reshape(n_out, n_in))
+    elif qt == GGMLType.F16:
+        data = torch.from_numpy(np.array(raw).view(np.float16).astype(np.float32).reshape(n_out, n_in))
+    elif qt == GGMLType.BF16:
+        data = torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16).float().reshape(n_out, n_in)
     else:
         if fast_needed and qt not in FAST_TYPES:
             raise FleError(f"{gguf.paths[0]}: tensor {name!r} is {qt.name}, which the engine has no fast GPU "
