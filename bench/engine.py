@@ -47,6 +47,13 @@ SHAPES = {
         expert_feed_forward_length=768, attention_head_count=32, attention_head_count_kv=4,
         attention_key_length=128, context_length=40960, vocab_size=151936),
         rules=[(r"\.ffn_(gate|up|down)_exps\.weight$", "IQ4_XS")], mix="q8_0"),
+    # Qwen3-Next-80B-A3B: GDN layers with full attention every 4th, 512 experts, 10 used, a shared expert
+    "80b-a3b": dict(arch="qwen3next", overrides=dict(
+        block_count=48, embedding_length=2048, expert_count=512, expert_used_count=10,
+        expert_feed_forward_length=512, expert_shared_feed_forward_length=512, attention_head_count=16,
+        attention_head_count_kv=2, attention_key_length=256, ssm_state_size=128, ssm_group_count=16,
+        ssm_time_step_rank=32, ssm_conv_kernel=4, context_length=262144, vocab_size=151936),
+        rules=[(r"\.ffn_(gate|up|down)_exps\.weight$", "IQ4_XS")], mix="q8_0"),
     # a small shape for trying the script on any machine
     "tiny": dict(arch="qwen3moe", overrides=dict(
         block_count=8, embedding_length=512, expert_count=32, expert_used_count=4, expert_feed_forward_length=256,
