@@ -142,11 +142,23 @@ def _generate(args) -> int:
                                       n_draft=args.draft_max, stats=spec)
     else:
         tokens = generate_tokens(model, prompt, args.n_predict, sampler, stop=tok.eog_ids)
-    stream = tok.stream(special=args.special)
-    out = sys.stdout
     t0 = time.perf_counter()
-    n = 0
-    stopped = False
+    n, stopped = _print_tokens(tokens, tok, args.special)
+    dt = time.perf_counter() - t0
+    why = "end of generation" if stopped else f"{args.n_predict} tokens"
+    drafts = "" if spec is None else (f", MTP drafts accepted {spec.accepted}/{spec.drafted} "
+                                      f"({100 * spec.acceptance:.1f} %), {spec.trunk_calls} trunk calls")
+    print(f"[prompt {len(prompt)} tokens, generated {n} tokens ({why}), {dt:.2f} s, "
+          f"seed {sampler.seed}{drafts}]", file=sys.stderr)
+    return 0
+
+
+def _print_tokens(tokens, tok, special: bool) -> tuple[int, bool]:
+    """Write the text of ``tokens`` to stdout as they come, up to an
+    end-of-generation token; (tokens taken, whether one ended it)."""
+    stream = tok.stream(special=special)
+    out = sys.stdout
+    n, stopped = 0, False
     for t in tokens:
         n += 1
         if t in tok.eog_ids:
@@ -156,13 +168,7 @@ def _generate(args) -> int:
         out.flush()
     out.write(stream.flush() + "\n")
     out.flush()
-    dt = time.perf_counter() - t0
-    why = "end of generation" if stopped else f"{args.n_predict} tokens"
-    drafts = "" if spec is None else (f", MTP drafts accepted {spec.accepted}/{spec.drafted} "
-                                      f"({100 * spec.acceptance:.1f} %), {spec.trunk_calls} trunk calls")
-    print(f"[prompt {len(prompt)} tokens, generated {n} tokens ({why}), {dt:.2f} s, "
-          f"seed {sampler.seed}{drafts}]", file=sys.stderr)
-    return 0
+    return n, stopped
 
 
 def resolve_device(device: str) -> str:
@@ -205,19 +211,8 @@ def _generate_engine(args, tok, prompt, sampler) -> int:
                 cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                 profile_path=args.cache_profile) as eng:
         n_predict = min(args.n_predict, eng.ctx_size - len(prompt))
-        stream = tok.stream(special=args.special)
-        out = sys.stdout
-        n, stopped = 0, False
-        for t in eng.tokens(prompt, n_predict, stop=tok.eog_ids,
-                            sampler=None if args.temp <= 0 else sampler):
-            n += 1
-            if t in tok.eog_ids:
-                stopped = True
-                break
-            out.write(stream.add(t))
-            out.flush()
-        out.write(stream.flush() + "\n")
-        out.flush()
+        n, stopped = _print_tokens(eng.tokens(prompt, n_predict, stop=tok.eog_ids,
+                                              sampler=None if args.temp <= 0 else sampler), tok, args.special)
         why = "end of generation" if stopped else f"{n_predict} tokens"
         print(f"[prompt {len(prompt)} tokens, generated {n} tokens ({why})]", file=sys.stderr)
         print(eng.stats.summary(eng.cache), file=sys.stderr)

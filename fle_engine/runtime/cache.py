@@ -27,7 +27,7 @@ lag on the CPU).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from torch import Tensor
 
 from fle_quant.errors import FleError
 
+from .. import cached_moe
 from ..expert_cache import BatchedCache, CachePolicy, plan_slots
 from ..kernels import engine_ops
 from .weights import ExpertLayout, HostExperts, _align
@@ -43,17 +44,8 @@ __all__ = ["ExpertCache", "CacheStats"]
 
 
 @dataclass
-class CacheStats:
-    steps: int = 0
-    requests: int = 0
-    hits: int = 0
-    admissions: int = 0
+class CacheStats(cached_moe.CacheStats):
     host_seconds: float = 0.0          # policy + boundary work on the host
-    per_step_hits: list = field(default_factory=list)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.requests if self.requests else 0.0
 
     def misses_per_step(self) -> float:
         return (self.requests - self.hits) / self.steps if self.steps else 0.0
