@@ -145,11 +145,12 @@ def main(argv=None) -> int:
     miss = tuple(te.EXPERT_CONFIG["miss"][0]) + tuple(te.EXPERT_CONFIG["miss"][1])
     base = tuple(te.EXPERT_CONFIG["hit"][0]) + tuple(te.EXPERT_CONFIG["hit"][1])
     configs = [base, miss]
+    configs += [miss[:2] + (1,) + miss[3:5] + (1,), base[:2] + (1,) + base[3:5] + (1,)]    # unrolled
     if args.sweep:
-        gu = [(2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (16, 4)]
-        dn = [(4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4)]
-        configs = sorted(set([base] + [g + d for g, d in zip(gu, dn)] + [g + base[2:] for g in gu]
-                             + [base[:2] + d for d in dn]))
+        gu = [(2, 1, 0), (4, 1, 0), (4, 2, 0), (8, 2, 0), (8, 4, 0), (16, 4, 0), (4, 1, 1), (8, 2, 1)]
+        dn = [(4, 1, 0), (8, 1, 0), (8, 2, 0), (16, 2, 0), (16, 4, 0), (32, 4, 0), (8, 1, 1), (16, 2, 1)]
+        configs = sorted(set(configs + [g + d for g, d in zip(gu, dn)] + [g + base[3:] for g in gu]
+                             + [base[:3] + d for d in dn]))
     res["experts"] = expert_bench(configs)
     res["dense"] = dense_bench()
     hbm, pin = res["ceilings"]["hbm_copy_GBps"], res["ceilings"]["pinned_h2d_GBps"]

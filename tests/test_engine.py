@@ -246,8 +246,11 @@ def _close(a, b, tol=1e-5):
     assert float((a - b).abs().max()) <= tol * scale, float((a - b).abs().max()) / scale
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.IQ4_XS, GGMLType.Q8_0, GGMLType.IQ3_S])
-def test_experts_kernel(fast, qtype):
+@pytest.mark.parametrize("qtype,config", [(GGMLType.IQ4_XS, None), (GGMLType.Q8_0, None), (GGMLType.IQ3_S, None),
+                                          (GGMLType.IQ4_XS, "4,1,1,8,2,1")])
+def test_experts_kernel(fast, qtype, config, monkeypatch):
+    if config:
+        monkeypatch.setenv("FLE_EXPERT_CONFIG", config)      # the unrolled chunk loop
     rng = np.random.default_rng(int(qtype))
     n_exp, n_ff, n_embd, n_used = 6, 32, 256, 3
     rb_gu = quantize(np.zeros((1, n_embd), np.float32), qtype).shape[-1]

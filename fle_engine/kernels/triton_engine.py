@@ -49,11 +49,33 @@ ATTN_SPLITS = 32
 
 
 @triton.jit
+def _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE: tl.constexpr, A: tl.constexpr,
+                 B: tl.constexpr, C: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 UNROLL: tl.constexpr):
+    """[BLOCK_N] products of the rows at word offsets ``row_w`` with the
+    activation row at ``x_base``; ``UNROLL`` unrolls the chunk loop, so that
+    every chunk's loads can be in flight at once (for reads over PCIe)."""
+    k_in = _value_index(QTYPE, A, B, C)
+    acc4 = tl.zeros([BLOCK_N, A, B, C], dtype=tl.float32)
+    if UNROLL:
+        for kc in tl.static_range(N_CHUNKS):
+            w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
+            k = kc * (A * B * C) + k_in
+            acc4 += w * tl.load(x_base + k, mask=k < n_in, other=0.0)[None, :, :, :]
+    else:
+        for kc in range(0, N_CHUNKS):
+            w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
+            k = kc * (A * B * C) + k_in
+            acc4 += w * tl.load(x_base + k, mask=k < n_in, other=0.0)[None, :, :, :]
+    return tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1)
+
+
+@triton.jit
 def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
                    host_delta, part_words, n_out, n_in, n_blocks, row_words, expert_words, n_used,
                    stride_x, stride_y,
                    QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-                   N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr):
+                   N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr, UNROLL: tl.constexpr):
     pid_n = tl.program_id(0)
     r = tl.program_id(1)                      # (token, chosen expert) row
     e = tl.load(ids_ptr + r).to(tl.int64)
@@ -68,42 +90,30 @@ def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
     else:
         x_row = r
     x_base = x_ptr + x_row.to(tl.int64) * stride_x
-    k_in = _value_index(QTYPE, A, B, C)
-    acc4 = tl.zeros([BLOCK_N, A, B, C], dtype=tl.float32)
-    for kc in range(0, N_CHUNKS):
-        w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
-        k = kc * (A * B * C) + k_in
-        xt = tl.load(x_base + k, mask=k < n_in, other=0.0)
-        acc4 += w * xt[None, :, :, :]
-    g = tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1)
+    g = _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N, UNROLL)
     if GATE_UP:
         row_u = row_w + n_out.to(tl.int64) * row_words      # the up rows follow the gate rows
-        acc4 = tl.zeros([BLOCK_N, A, B, C], dtype=tl.float32)
-        for kc in range(0, N_CHUNKS):
-            w = _decode(QTYPE, wv, lut_ptr, row_u, kc, n_blocks, A, B, C)
-            k = kc * (A * B * C) + k_in
-            xt = tl.load(x_base + k, mask=k < n_in, other=0.0)
-            acc4 += w * xt[None, :, :, :]
-        u = tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1)
+        u = _expert_rows(wv, lut_ptr, row_u, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N, UNROLL)
         out = g / (1.0 + tl.exp(-g)) * u
     else:
         out = g * tl.load(wts_ptr + r)
     tl.store(y_ptr + r.to(tl.int64) * stride_y + offs_n, out, mask=mask_n)
 
 
-# (output rows per program, warps) of the two expert kernels, measured on an H200 with
-# bench/engine_kernels.py --sweep (8 IQ4_XS experts of 768 x 2048): reads over PCIe want many small
-# programs (2,1 / 4,1: 43 GB/s, against 30 GB/s for 16,4 / 32,4), reads from the slots larger ones
-# (16,4 / 8,2: 30 us against 38 us). "miss" is used when a layer can miss, "hit" when every expert of
-# every layer is cached. FLE_EXPERT_CONFIG="bn_gu,warps_gu,bn_down,warps_down" overrides both (tuning).
-EXPERT_CONFIG = {"miss": ((2, 1), (4, 1)), "hit": ((16, 4), (8, 2))}
+# (output rows per program, warps, unrolled chunk loop) of the two expert kernels, measured on an
+# H200 with bench/engine_kernels.py --sweep (8 IQ4_XS experts of 768 x 2048): reads over PCIe want
+# many small programs (2,1 / 4,1: 43 GB/s, against 30 GB/s for 16,4 / 32,4), reads from the slots
+# larger ones (16,4 / 8,2: 30 us against 38 us). "miss" is used when a layer can miss, "hit" when
+# every expert of every layer is cached. FLE_EXPERT_CONFIG="bn,warps,unroll,bn,warps,unroll"
+# (gate+up, down) overrides both (tuning).
+EXPERT_CONFIG = {"miss": ((2, 1, 0), (4, 1, 0)), "hit": ((16, 4, 0), (8, 2, 0))}
 
 
-def _expert_config(gate_up: bool, mode: str) -> tuple[int, int]:
+def _expert_config(gate_up: bool, mode: str) -> tuple[int, int, int]:
     env = os.environ.get("FLE_EXPERT_CONFIG")
     if env:
         v = [int(x) for x in env.split(",")]
-        return (v[0], v[1]) if gate_up else (v[2], v[3])
+        return tuple(v[0:3]) if gate_up else tuple(v[3:6])
     return EXPERT_CONFIG[mode][0 if gate_up else 1]
 
 
@@ -125,14 +135,14 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
     n_blocks = row_bytes // size
     word = words.element_size()
     a, b, c = fmt.tile
-    block_n, warps = _expert_config(gate_up, mode)
+    block_n, warps, unroll = _expert_config(gate_up, mode)
     grid = (triton.cdiv(n_out, block_n), ids.shape[0])
     _expert_kernel[grid](
         words, _lut(qtype, fmt, words), slot_of, ids, out if weights is None else weights, x, out,
         host_delta, part_words, n_out, n_blocks * values, n_blocks, row_bytes // word, expert_words, n_used,
         x.stride(0), out.stride(0),
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
-        BLOCK_N=block_n, GATE_UP=gate_up, num_warps=warps)
+        BLOCK_N=block_n, GATE_UP=gate_up, UNROLL=bool(unroll), num_warps=warps)
     return out
 
 
