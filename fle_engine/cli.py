@@ -206,8 +206,17 @@ def use_engine(model: str, args) -> bool:
 def _generate_engine(args, tok, prompt, sampler) -> int:
     from .runtime import Engine
 
+    from fle_quant.gguf_reader import GGUFModel
+
+    with GGUFModel.open(args.model) as g:
+        n_ctx_train = int(g.hparam("context_length", 0) or 0)
+    # without -c: room for the prompt and -n, at most the model's context (as llama.cpp stops there)
     ctx = args.ctx_size if args.ctx_size is not None else len(prompt) + args.n_predict
-    with Engine(args.model, device="cuda", cache_budget=args.cache_budget, ctx_size=min(ctx, 1 << 30),
+    if args.ctx_size is None and n_ctx_train:
+        ctx = min(ctx, n_ctx_train)
+    if ctx < 0:
+        raise FleError(f"--ctx-size must be 0 (the model's own) or a number of tokens, got {ctx}")
+    with Engine(args.model, device="cuda", cache_budget=args.cache_budget, ctx_size=ctx,
                 cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                 profile_path=args.cache_profile) as eng:
         n_predict = min(args.n_predict, eng.ctx_size - len(prompt))

@@ -887,5 +887,9 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
         mtp = True
     name = alias or os.path.basename(str(model_path))
     engine = Engine(model, tok, n_ctx=n_ctx, name=name, n_ctx_train=n_ctx_train, mtp=mtp, n_draft=n_draft, log=log)
-    asyncio.run(_listen(engine, host, port, log))
+    try:
+        asyncio.run(_listen(engine, host, port, log))
+    finally:
+        if runtime is not None:
+            model.close()            # saves the expert cache's usage profile
     return 0

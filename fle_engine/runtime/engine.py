@@ -128,7 +128,12 @@ class Engine:
         # KV cache, rotary table, step buffers
         kd, vd = KV_TYPES[cache_type_k], KV_TYPES[cache_type_v]
         st = self.state = SimpleNamespace(fast=self.fast, bufs=SimpleNamespace())
-        st.kv = self.net.new_caches(self.ctx_size, kd, vd)
+        try:
+            st.kv = self.net.new_caches(self.ctx_size, kd, vd)
+        except torch.OutOfMemoryError:
+            per = 2 * a.n_layer * a.n_head_kv * a.head_dim * KV_TYPES[cache_type_k].itemsize
+            raise FleError(f"the KV cache for {self.ctx_size} positions needs about {per * self.ctx_size / 2**30:.1f} "
+                           f"GiB of GPU memory, more than is free; lower --ctx-size") from None
         cos, sin = rope_table(a.n_rot, a.rope_base, self.ctx_size, a.rope_freq_scale)
         st.rope_cos, st.rope_sin = torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device)
         st.tok = torch.zeros(1, dtype=torch.int64, device=self.device)
