@@ -35,7 +35,8 @@ from test_dequant import random_blocks  # noqa: E402  (blocks with adversarial f
 
 pytestmark = pytest.mark.usefixtures("exact_float32")
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-FAST = (GGMLType.Q8_0, GGMLType.IQ4_XS, GGMLType.IQ3_S, GGMLType.IQ4_NL, GGMLType.Q6_K)
+FAST = (GGMLType.Q8_0, GGMLType.IQ4_XS, GGMLType.IQ3_S, GGMLType.IQ4_NL, GGMLType.Q6_K, GGMLType.Q4_K, GGMLType.Q5_K,
+        GGMLType.IQ3_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.Q2_0)
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +48,28 @@ def triton_quant():
 
 
 def n_in_for(qtype: GGMLType) -> int:
-    # super-block types: 2 blocks; 32-value types: 11 blocks, so that the last chunk of 8 is partial
-    return 512 if BLOCK_GEOMETRY[qtype][0] == 256 else 11 * 32
+    # super-block types: 2 blocks; smaller blocks: 11 of them, so that the last chunk (8 blocks of 32,
+    # 4 of 64 values) is partial
+    values = BLOCK_GEOMETRY[qtype][0]
+    return 512 if values == 256 else 11 * values
 
 
 def quantized(qtype: GGMLType, shape: tuple[int, ...], rng: np.random.Generator) -> torch.Tensor:
-    """Valid blocks as ggml's quantizer makes them, of normal data with a few large outliers."""
+    """Valid blocks as ggml's quantizer makes them, of normal data with a few large outliers; for
+    types FLE cannot quantize to, random bytes with finite fp16 scales of random size and sign."""
     x = rng.standard_normal(shape).astype(np.float32)
     x[rng.random(shape) < 0.01] *= 20
-    return torch.from_numpy(quantize(x, qtype)).to(DEVICE)
+    try:
+        return torch.from_numpy(quantize(x, qtype)).to(DEVICE)
+    except FleError:
+        pass
+    values, size = BLOCK_GEOMETRY[qtype]
+    n = int(np.prod(shape)) // values
+    blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    for off in FP16_SCALE_OFFSETS[qtype]:
+        scale = (rng.uniform(0.005, 0.05, n) * rng.choice([-1, 1], n)).astype(np.float16)
+        blocks[:, off:off + 2] = scale.view(np.uint8).reshape(n, 2)
+    return torch.from_numpy(blocks.reshape(shape[:-1] + (-1,))).to(DEVICE)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, w_abs_x_abs: torch.Tensor, what: str) -> None:
@@ -81,7 +95,7 @@ def abs_bound(w: torch.Tensor, qtype: GGMLType, x: torch.Tensor) -> torch.Tensor
 
 def test_table(triton_quant):
     assert set(kernels.fast_types()) == set(FAST) == set(triton_quant.SUPPORTED)
-    ref, fast = kernels.KERNELS[GGMLType.Q4_K]
+    ref, fast = kernels.KERNELS[GGMLType.Q3_K]
     assert fast is None and ref.mul_mat is reference.mul_mat
 
 
@@ -104,7 +118,7 @@ def test_adversarial_scales(triton_quant, qtype):
     # subnormals, the largest finite values, infinities and NaNs
     rng = np.random.default_rng(100 + int(qtype))
     values, size = BLOCK_GEOMETRY[qtype]
-    n_out, n_in = 19, n_in_for(qtype)
+    n_out, n_in = 41, n_in_for(qtype)
     blocks = random_blocks(qtype, n_out * (n_in // values), rng)
     w = torch.from_numpy(blocks.reshape(n_out, -1)).to(DEVICE)
     x = torch.from_numpy(rng.standard_normal((3, n_in)).astype(np.float32)).to(DEVICE)
@@ -188,7 +202,7 @@ def test_auto_picks_by_device():
     assert torch.equal(kernels.mul_mat(w, qtype, x), reference.mul_mat(w, qtype, x))
     # a type without a kernel takes the reference on any device
     w4 = torch.from_numpy(quantize(rng.standard_normal((8, 256)).astype(np.float32), GGMLType.Q6_K))
-    assert kernels.KERNELS[GGMLType.Q4_K][1] is None
+    assert kernels.KERNELS[GGMLType.Q3_K][1] is None
     assert kernels.mul_mat(w4, "Q6_K", torch.randn(1, 256), impl="reference").shape == (1, 8)
 
 
@@ -204,8 +218,8 @@ def test_bad_input():
         kernels.mul_mat(w[:, :100], qtype, x)
     with pytest.raises(FleError, match="impl must be"):
         kernels.mul_mat(w, qtype, x, impl="cuda")
-    with pytest.raises(FleError, match="no Triton kernel for Q4_K"):
-        kernels.mul_mat(torch.zeros(4, 144, dtype=torch.uint8), "Q4_K", x, impl="triton")
+    with pytest.raises(FleError, match="no Triton kernel for Q3_K"):
+        kernels.mul_mat(torch.zeros(4, 110, dtype=torch.uint8), "Q3_K", x, impl="triton")
     with pytest.raises(FleError, match="no matrix product for F32"):
         kernels.mul_mat(torch.zeros(4, 4, dtype=torch.uint8), "F32", torch.zeros(2, 1))
     with pytest.raises(FleError, match="expert_ids must be int64"):

@@ -60,7 +60,8 @@ _TRITON = Impl(_Triton.mul_mat, _Triton.mul_mat_experts)
 
 # The types with a Triton kernel (kept in step with triton_quant._FORMATS,
 # which tests/test_kernels.py checks, so that this table needs no triton).
-_FAST_TYPES = (GGMLType.Q8_0, GGMLType.IQ4_XS, GGMLType.IQ3_S, GGMLType.IQ4_NL, GGMLType.Q6_K)
+_FAST_TYPES = (GGMLType.Q8_0, GGMLType.IQ4_XS, GGMLType.IQ3_S, GGMLType.IQ4_NL, GGMLType.Q6_K, GGMLType.Q4_K,
+               GGMLType.Q5_K, GGMLType.IQ3_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.Q2_0)
 
 # type -> (reference, fast or None)
 KERNELS: dict[GGMLType, tuple[Impl, "Impl | None"]] = {

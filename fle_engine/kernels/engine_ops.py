@@ -162,6 +162,8 @@ def pick(impl: str, device: torch.device) -> SimpleNamespace:
 
 
 WORDS = {GGMLType.Q8_0: torch.int16, GGMLType.IQ4_XS: torch.int32, GGMLType.IQ3_S: torch.int16,
-         GGMLType.IQ4_NL: torch.int16, GGMLType.Q6_K: torch.int16}
+         GGMLType.IQ4_NL: torch.int16, GGMLType.Q6_K: torch.int16, GGMLType.Q4_K: torch.int32,
+         GGMLType.Q5_K: torch.int32, GGMLType.IQ3_XXS: torch.int16, GGMLType.IQ2_XS: torch.int16,
+         GGMLType.IQ2_S: torch.int16, GGMLType.Q2_0: torch.int16}
 """The word the fast kernels load per type (kept equal to triton_quant's
 formats by tests/test_engine.py)."""

@@ -169,6 +169,150 @@ def _decode_q6_k(wv, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexp
 
 
 @triton.jit
+def _k4_scale_min(wv, bw, a):
+    # the 8 (scale, min) pairs of 6 bits packed in bytes 4..15 of a Q4_K / Q5_K block (words 1..3),
+    # for sub-blocks a [A]: as ggml's get_scale_min_k4
+    am4 = tl.where(a < 4, 0, a - 4)     # byte a - 4, read for a >= 4 only
+    b_a = (tl.load(wv + bw[:, None] + 1 + a[None, :] // 4) >> (8 * (a % 4))[None, :]) & 0xFF          # byte a
+    j4 = a + 4
+    b_a4 = (tl.load(wv + bw[:, None] + 1 + j4[None, :] // 4) >> (8 * (j4 % 4))[None, :]) & 0xFF       # byte a + 4
+    b_am4 = (tl.load(wv + bw[:, None] + 1 + am4[None, :] // 4) >> (8 * (am4 % 4))[None, :]) & 0xFF   # byte a - 4
+    lo = (a < 4)[None, :]
+    sc = tl.where(lo, b_a & 63, (b_a4 & 0xF) | ((b_am4 >> 6) << 4))
+    mn = tl.where(lo, b_a4 & 63, (b_a4 >> 4) | ((b_a >> 6) << 4))
+    return sc, mn
+
+
+@triton.jit
+def _decode_q4_k(wv, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    # block, 36 words: d f16 + dmin f16 | scales[12] | qs[128]. Sub-block a (32 values) is nibble
+    # a % 2 of qs bytes 32 (a // 2) .. + 31. Tile [BN, A = 8, B = 8 words, C = 4 bytes]: value 32 a + 4 b + c
+    a = tl.arange(0, A)
+    b = tl.arange(0, B)
+    c = tl.arange(0, C)
+    bw = row_w + kc * 36
+    h0 = tl.load(wv + bw)
+    d = _half(h0)
+    dmin = _half(h0 >> 16)
+    sc, mn = _k4_scale_min(wv, bw, a)
+    d1 = d[:, None] * sc.to(tl.float32)
+    m1 = dmin[:, None] * mn.to(tl.float32)
+    q = tl.load(wv + bw[:, None, None] + 4 + (8 * (a // 2))[None, :, None] + b[None, None, :])  # [BN, A, B]
+    nib = (q[:, :, :, None] >> (8 * c[None, None, None, :] + (4 * (a % 2))[None, :, None, None])) & 0xF
+    return d1[:, :, None, None] * nib.to(tl.float32) - m1[:, :, None, None]
+
+
+@triton.jit
+def _decode_q5_k(wv, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    # block, 44 words: d + dmin | scales[12] | qh[32] | qs[128]; value 32 a + l (l = 4 b + c) adds bit a of
+    # qh[l] as bit 4. Tile as Q4_K
+    a = tl.arange(0, A)
+    b = tl.arange(0, B)
+    c = tl.arange(0, C)
+    bw = row_w + kc * 44
+    h0 = tl.load(wv + bw)
+    d = _half(h0)
+    dmin = _half(h0 >> 16)
+    sc, mn = _k4_scale_min(wv, bw, a)
+    d1 = d[:, None] * sc.to(tl.float32)
+    m1 = dmin[:, None] * mn.to(tl.float32)
+    q = tl.load(wv + bw[:, None, None] + 12 + (8 * (a // 2))[None, :, None] + b[None, None, :])  # [BN, A, B]
+    ql = (q[:, :, :, None] >> (8 * c[None, None, None, :] + (4 * (a % 2))[None, :, None, None])) & 0xF
+    qh = tl.load(wv + bw[:, None] + 4 + b[None, :])                                            # [BN, B]: qh bytes 4b..4b+3
+    hb = (qh[:, None, :, None] >> (8 * c[None, None, None, :] + a[None, :, None, None])) & 1
+    return d1[:, :, None, None] * (ql | (hb << 4)).to(tl.float32) - m1[:, :, None, None]
+
+
+@triton.jit
+def _decode_iq3_xxs(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    # block, 49 halfwords: d f16 | qs[64] grid indices | 8 x u32 (4 x 7 sign bits + 4-bit scale).
+    # Tile [BN, A = 32 (4 ib + l), B = 2 grid rows, C = 4]: value 8 a + 4 b + c. lut: the grid packed
+    # four entries per int32 (256), then ksigns (128)
+    a = tl.arange(0, A)
+    b = tl.arange(0, B)
+    c = tl.arange(0, C)
+    bw = row_w + kc * 49
+    d = _half(tl.load(wv + bw).to(tl.int32))
+    base = bw[:, None]
+    qs = _u16(tl.load(wv + base + 1 + a[None, :]))                                   # [BN, A]
+    ib = a // 4
+    aux = _u16(tl.load(wv + base + 33 + 2 * ib[None, :])).to(tl.int64) | \
+        (_u16(tl.load(wv + base + 34 + 2 * ib[None, :])).to(tl.int64) << 16)          # [BN, A]
+    db = d[:, None] * (0.5 + (aux >> 28).to(tl.float32)) * 0.5
+    s = ((aux >> (7 * (a % 4))[None, :]) & 127).to(tl.int32)
+    signs = tl.load(lut_ptr + 256 + s)                                               # [BN, A]
+    g = (qs[:, :, None] >> (8 * b)[None, None, :]) & 0xFF                             # [BN, A, B]
+    grid = (tl.load(lut_ptr + g)[:, :, :, None] >> (8 * c)[None, None, None, :]) & 0xFF
+    neg = (signs[:, :, None, None] >> (4 * b[:, None] + c[None, :])[None, None, :, :]) & 1
+    return db[:, :, None, None] * grid.to(tl.float32) * (1 - 2 * neg).to(tl.float32)
+
+
+@triton.jit
+def _decode_iq2_xs(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    # block, 37 halfwords: d f16 | qs u16[32] (9-bit grid row, 7-bit ksigns index) | scales[8].
+    # Tile [BN, A = 32 (4 ib + l), B = 2, C = 4]: value 8 a + 4 b + c. lut: the grid's 8 entries per row
+    # packed in two int32 (1024), then ksigns (128)
+    a = tl.arange(0, A)
+    b = tl.arange(0, B)
+    c = tl.arange(0, C)
+    bw = row_w + kc * 37
+    d = _half(tl.load(wv + bw).to(tl.int32))
+    base = bw[:, None]
+    q = _u16(tl.load(wv + base + 1 + a[None, :]))                                    # [BN, A]
+    ib = a // 4
+    sc = (_u16(tl.load(wv + base + 33 + (ib // 2)[None, :])) >> (8 * (ib % 2))[None, :]) & 0xFF
+    nib = tl.where((a % 4 < 2)[None, :], sc & 0xF, sc >> 4)
+    db = d[:, None] * (0.5 + nib.to(tl.float32)) * 0.25
+    signs = tl.load(lut_ptr + 1024 + (q >> 9))
+    row = 2 * (q & 511)
+    grid = (tl.load(lut_ptr + row[:, :, None] + b[None, None, :])[:, :, :, None] >> (8 * c)[None, None, None, :]) & 0xFF
+    neg = (signs[:, :, None, None] >> (4 * b[:, None] + c[None, :])[None, None, :, :]) & 1
+    return db[:, :, None, None] * grid.to(tl.float32) * (1 - 2 * neg).to(tl.float32)
+
+
+@triton.jit
+def _decode_iq2_s(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    # block, 41 halfwords: d f16 | qs[32] | signs[32] | qh[8] | scales[8]. Grid row of (ib, l) =
+    # qs[4 ib + l] | ((qh[ib] << (8 - 2 l)) & 0x300), signs byte signs[4 ib + l].
+    # Tile [BN, A = 32 (i = 4 ib + l), B = 2, C = 4]: value 8 a + 4 b + c. lut: 1024 grid rows, two int32 each
+    a = tl.arange(0, A)
+    b = tl.arange(0, B)
+    c = tl.arange(0, C)
+    bw = row_w + kc * 41
+    d = _half(tl.load(wv + bw).to(tl.int32))
+    base = bw[:, None]
+    ib = a // 4
+    l = a % 4
+    qs = (_u16(tl.load(wv + base + 1 + (a // 2)[None, :])) >> (8 * (a % 2))[None, :]) & 0xFF
+    sg = (_u16(tl.load(wv + base + 17 + (a // 2)[None, :])) >> (8 * (a % 2))[None, :]) & 0xFF
+    qh = (_u16(tl.load(wv + base + 33 + (ib // 2)[None, :])) >> (8 * (ib % 2))[None, :]) & 0xFF
+    sc = (_u16(tl.load(wv + base + 37 + (ib // 2)[None, :])) >> (8 * (ib % 2))[None, :]) & 0xFF
+    nib = tl.where((l < 2)[None, :], sc & 0xF, sc >> 4)
+    db = d[:, None] * (0.5 + nib.to(tl.float32)) * 0.25
+    g = qs | ((qh << (8 - 2 * l)[None, :]) & 0x300)
+    grid = (tl.load(lut_ptr + 2 * g[:, :, None] + b[None, None, :])[:, :, :, None] >> (8 * c)[None, None, None, :]) & 0xFF
+    neg = (sg[:, :, None, None] >> (4 * b[:, None] + c[None, :])[None, None, :, :]) & 1
+    return db[:, :, None, None] * grid.to(tl.float32) * (1 - 2 * neg).to(tl.float32)
+
+
+@triton.jit
+def _decode_q2_0(wv, row_w, kc, n_blocks, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    # block, 9 halfwords: d f16 | qs[16], two bits per value: q -> (q - 1) d. Tile [BN, A blocks,
+    # B = 8 halfwords, C = 8 (2 bytes x 4 values)]: value 64 a + 8 b + c
+    a = tl.arange(0, A)
+    b = tl.arange(0, B)
+    c = tl.arange(0, C)
+    blk = kc * A + a
+    in_row = blk < n_blocks
+    bw = row_w[:, None] + tl.where(in_row, blk, 0).to(tl.int64)[None, :] * 9            # [BN, A]
+    d = _half(tl.load(wv + bw).to(tl.int32))
+    q = _u16(tl.load(wv + bw[:, :, None] + 1 + b[None, None, :]))                       # [BN, A, B]
+    v = ((q[:, :, :, None] >> (2 * c)[None, None, None, :]) & 3) - 1
+    w = v.to(tl.float32) * d[:, :, None, None]
+    return tl.where(in_row[None, :, None, None], w, 0.0)
+
+
+@triton.jit
 def _value_index(QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
     """[A, B, C]: the position in the chunk of each value of a decoded tile."""
     a = tl.arange(0, A)[:, None, None]
@@ -176,6 +320,12 @@ def _value_index(QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.co
     c = tl.arange(0, C)[None, None, :]
     if QTYPE == 8:
         k = 32 * a + 2 * b + c
+    elif QTYPE == 12 or QTYPE == 13:
+        k = 32 * a + 4 * b + c
+    elif QTYPE == 17 or QTYPE == 18 or QTYPE == 22:
+        k = 8 * a + 4 * b + c
+    elif QTYPE == 42:
+        k = 64 * a + 8 * b + c
     elif QTYPE == 14:
         k = 128 * (a // 16) + 32 * c + 2 * (a % 16) + b
     elif QTYPE == 20:
@@ -198,6 +348,18 @@ def _decode(QTYPE: tl.constexpr, wv, lut_ptr, row_w, kc, n_blocks, A: tl.constex
         w = _decode_iq4_nl(wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
     elif QTYPE == 21:
         w = _decode_iq3_s(wv, lut_ptr, row_w, kc, A, B, C)
+    elif QTYPE == 12:
+        w = _decode_q4_k(wv, row_w, kc, A, B, C)
+    elif QTYPE == 13:
+        w = _decode_q5_k(wv, row_w, kc, A, B, C)
+    elif QTYPE == 17:
+        w = _decode_iq2_xs(wv, lut_ptr, row_w, kc, A, B, C)
+    elif QTYPE == 18:
+        w = _decode_iq3_xxs(wv, lut_ptr, row_w, kc, A, B, C)
+    elif QTYPE == 22:
+        w = _decode_iq2_s(wv, lut_ptr, row_w, kc, A, B, C)
+    elif QTYPE == 42:
+        w = _decode_q2_0(wv, row_w, kc, n_blocks, A, B, C)
     else:
         tl.static_assert(QTYPE == 23)
         w = _decode_iq4_xs(wv, lut_ptr, row_w, kc, A, B, C)
@@ -301,6 +463,11 @@ def _packed_grid(grid: np.ndarray) -> np.ndarray:
     return (g[:, 0] | g[:, 1] << 8 | g[:, 2] << 16 | g[:, 3] << 24).view(np.int32)
 
 
+def _packed_rows(grid: np.ndarray) -> np.ndarray:
+    # each 8-entry grid row as two int32 (entries 0..3, then 4..7)
+    return _packed_grid(np.asarray(grid).reshape(-1, 4))
+
+
 @dataclass(frozen=True)
 class _Format:
     word: torch.dtype  # the unit the kernel loads: int32 where every field is 4-byte aligned
@@ -315,6 +482,14 @@ _FORMATS: dict[GGMLType, _Format] = {
     GGMLType.IQ3_S: _Format(torch.int16, (32, 2, 4), 1, _packed_grid(tables.IQ3S_GRID)),
     GGMLType.IQ4_NL: _Format(torch.int16, (8, 8, 4), 8, tables.KVALUES_IQ4NL),
     GGMLType.Q6_K: _Format(torch.int16, (32, 2, 4), 1, None),
+    GGMLType.Q4_K: _Format(torch.int32, (8, 8, 4), 1, None),
+    GGMLType.Q5_K: _Format(torch.int32, (8, 8, 4), 1, None),
+    GGMLType.IQ3_XXS: _Format(torch.int16, (32, 2, 4), 1,
+                              np.concatenate([_packed_grid(tables.IQ3XXS_GRID), tables.KSIGNS.astype(np.int32)])),
+    GGMLType.IQ2_XS: _Format(torch.int16, (32, 2, 4), 1,
+                             np.concatenate([_packed_rows(tables.IQ2XS_GRID), tables.KSIGNS.astype(np.int32)])),
+    GGMLType.IQ2_S: _Format(torch.int16, (32, 2, 4), 1, _packed_rows(tables.IQ2S_GRID)),
+    GGMLType.Q2_0: _Format(torch.int16, (4, 8, 8), 4, None),
 }
 SUPPORTED = frozenset(_FORMATS)
 
