@@ -482,6 +482,9 @@ _FSIZE = textwrap.dedent("""
 # a real SIGINT, delivered while the third tensor is being copied
 _SIGINT = textwrap.dedent("""
     import os, signal, sys
+    # Python's own handler, also when this process inherited SIGINT ignored (a job started in the
+    # background by a non-interactive shell)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from fle_quant import gguf_writer
     real = gguf_writer._Copier.copy_tensor
     n = [0]
