@@ -87,6 +87,15 @@ def _put(l, e, slot, slot_of, slots, lay):
     return old
 
 
+@njit(cache=True, inline="always")
+def _record(adm, n, l, e, slot, evicted):
+    """Admission ``n``: expert ``e`` of layer ``l`` into ``slot``, replacing ``evicted``."""
+    adm[0, n] = l
+    adm[1, n] = e
+    adm[2, n] = slot
+    adm[3, n] = evicted
+
+
 @njit(cache=True)
 def _step_kernel(ids, counts, slot_of, slots, lay, halve_every, evict_oldest, admit_per_step, gate,
                  hits, adm, scratch):
@@ -177,11 +186,7 @@ def _step_kernel(ids, counts, slot_of, slots, lay, halve_every, evict_oldest, ad
                     lay[l, _VICTIM] = slot
                 if gate and not counts[l, e] > counts[l, slots[_EXPERT, l, slot]]:
                     continue
-            old = _put(l, e, slot, slot_of, slots, lay)
-            adm[0, n_adm] = l
-            adm[1, n_adm] = e
-            adm[2, n_adm] = slot
-            adm[3, n_adm] = old
+            _record(adm, n_adm, l, e, slot, _put(l, e, slot, slot_of, slots, lay))
             n_adm += 1
     return n_adm
 
@@ -200,11 +205,7 @@ def _fill_kernel(flat, offsets, slot_of, slots, lay, adm):
                 break
             slot = lay[l, _NUSED]
             lay[l, _NUSED] += 1
-            old = _put(l, e, slot, slot_of, slots, lay)
-            adm[0, n_adm] = l
-            adm[1, n_adm] = e
-            adm[2, n_adm] = slot
-            adm[3, n_adm] = old
+            _record(adm, n_adm, l, e, slot, _put(l, e, slot, slot_of, slots, lay))
             n_adm += 1
     return n_adm
 

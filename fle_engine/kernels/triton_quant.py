@@ -169,9 +169,11 @@ def _decode_q6_k(wv, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexp
 
 
 @triton.jit
-def _k4_scale_min(wv, bw, a):
-    # the 8 (scale, min) pairs of 6 bits packed in bytes 4..15 of a Q4_K / Q5_K block (words 1..3),
-    # for sub-blocks a [A]: as ggml's get_scale_min_k4
+def _k4_scales(wv, bw, a):
+    # (d * scale, dmin * min) [BN, A] of sub-blocks a of the Q4_K / Q5_K blocks at word offsets bw:
+    # word 0 holds d and dmin, bytes 4..15 (words 1..3) the 8 pairs of 6 bits, as ggml's
+    # get_scale_min_k4
+    h0 = tl.load(wv + bw)
     am4 = tl.where(a < 4, 0, a - 4)     # byte a - 4, read for a >= 4 only
     b_a = (tl.load(wv + bw[:, None] + 1 + a[None, :] // 4) >> (8 * (a % 4))[None, :]) & 0xFF          # byte a
     j4 = a + 4
@@ -180,7 +182,7 @@ def _k4_scale_min(wv, bw, a):
     lo = (a < 4)[None, :]
     sc = tl.where(lo, b_a & 63, (b_a4 & 0xF) | ((b_am4 >> 6) << 4))
     mn = tl.where(lo, b_a4 & 63, (b_a4 >> 4) | ((b_a >> 6) << 4))
-    return sc, mn
+    return _half(h0)[:, None] * sc.to(tl.float32), _half(h0 >> 16)[:, None] * mn.to(tl.float32)
 
 
 @triton.jit
@@ -191,12 +193,7 @@ def _decode_q4_k(wv, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexp
     b = tl.arange(0, B)
     c = tl.arange(0, C)
     bw = row_w + kc * 36
-    h0 = tl.load(wv + bw)
-    d = _half(h0)
-    dmin = _half(h0 >> 16)
-    sc, mn = _k4_scale_min(wv, bw, a)
-    d1 = d[:, None] * sc.to(tl.float32)
-    m1 = dmin[:, None] * mn.to(tl.float32)
+    d1, m1 = _k4_scales(wv, bw, a)
     q = tl.load(wv + bw[:, None, None] + 4 + (8 * (a // 2))[None, :, None] + b[None, None, :])  # [BN, A, B]
     nib = (q[:, :, :, None] >> (8 * c[None, None, None, :] + (4 * (a % 2))[None, :, None, None])) & 0xF
     return d1[:, :, None, None] * nib.to(tl.float32) - m1[:, :, None, None]
@@ -210,12 +207,7 @@ def _decode_q5_k(wv, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexp
     b = tl.arange(0, B)
     c = tl.arange(0, C)
     bw = row_w + kc * 44
-    h0 = tl.load(wv + bw)
-    d = _half(h0)
-    dmin = _half(h0 >> 16)
-    sc, mn = _k4_scale_min(wv, bw, a)
-    d1 = d[:, None] * sc.to(tl.float32)
-    m1 = dmin[:, None] * mn.to(tl.float32)
+    d1, m1 = _k4_scales(wv, bw, a)
     q = tl.load(wv + bw[:, None, None] + 12 + (8 * (a // 2))[None, :, None] + b[None, None, :])  # [BN, A, B]
     ql = (q[:, :, :, None] >> (8 * c[None, None, None, :] + (4 * (a % 2))[None, :, None, None])) & 0xF
     qh = tl.load(wv + bw[:, None] + 4 + b[None, :])                                            # [BN, B]: qh bytes 4b..4b+3

@@ -11,7 +11,6 @@ Regions start on 4 KiB boundaries.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -254,8 +253,4 @@ class HostExperts:
             dst[:, :half] = gate.reshape(e, -1)
             dst[:, half:2 * half] = up.reshape(e, -1)
         dst[:, lay.down_offset:lay.down_offset + lay.n_embd * lay.down_row_bytes] = down.reshape(e, -1)
-
-
-def host_memory_bytes() -> int:
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
