@@ -142,6 +142,43 @@ def test_qwen3next_greedy_tokens_equal_reference(next_file, tmp_path, cache):
     eng.close()
 
 
+@pytest.mark.parametrize("arch,split", [("qwen3moe", "cpu"), ("qwen3moe", "0.5"), ("qwen3next", "0.5")])
+def test_misses_on_the_cpu_equal_misses_on_the_gpu(model_file, next_file, reference, tmp_path, arch, split):
+    """runtime.split: the CPU computes its share of each layer's misses (all
+    of them, or half) while the rest are read as before; the greedy tokens
+    equal those with every miss on the GPU side."""
+    path = model_file if arch == "qwen3moe" else next_file
+    prompt = [1, 17, 42, 99]
+    n = N_TOKENS if CUDA else 48            # the reference side on the CPU: fewer tokens, same logic
+    eb = _expert_bytes(_engine(path, 0, tmp_path))
+    base = _engine(path, 2 * eb, tmp_path, miss_split="gpu")
+    want = base.generate(prompt, n)
+    base.close()
+    if arch == "qwen3moe":
+        assert want == reference[1][:n]
+    eng = _engine(path, 2 * eb, tmp_path, miss_split=split)
+    assert eng.split is not None and eng.split.share == {"cpu": 256, "0.5": 128}[split]
+    assert eng.generate(prompt, n) == want
+    assert eng.split.cpu_experts > 0                  # the CPU did compute misses
+    st = eng.cache.stats
+    assert 0 < st.hit_rate < 1
+    eng.close()
+
+
+def test_miss_split_option():
+    from fle_engine.runtime.split import cpu_count, parse_split
+
+    assert parse_split("gpu") == 0 and parse_split("cpu") == 256 and parse_split("auto") == "auto"
+    assert parse_split("0.25") == 64
+    for bad in ("1.5", "-0.1", "half", "nan"):
+        with pytest.raises(FleError, match="--miss-split"):
+            parse_split(bad)
+    # the rule: the CPU takes round(n_miss * share) of the misses
+    assert [cpu_count(n, 128) for n in range(5)] == [0, 1, 1, 2, 2]
+    assert [cpu_count(n, 256) for n in range(5)] == [0, 1, 2, 3, 4]
+    assert [cpu_count(n, 0) for n in range(5)] == [0] * 5
+
+
 def test_logits_within_kld_of_reference(model_file, reference, tmp_path):
     prompt, ref_toks, ref_logits = reference
     eng = _engine(model_file, 3 * _expert_bytes(_engine(model_file, 0, tmp_path)), tmp_path)
@@ -246,9 +283,10 @@ def _close(a, b, tol=1e-5):
     assert float((a - b).abs().max()) <= tol * scale, float((a - b).abs().max()) / scale
 
 
-@pytest.mark.parametrize("qtype,config", [(GGMLType.IQ4_XS, None), (GGMLType.Q8_0, None), (GGMLType.IQ3_S, None),
-                                          (GGMLType.IQ4_XS, "4,1,1,8,2,1")])
-def test_experts_kernel(fast, qtype, config, monkeypatch):
+@pytest.mark.parametrize("qtype,config,share", [(GGMLType.IQ4_XS, None, 0), (GGMLType.Q8_0, None, 0),
+                                                (GGMLType.IQ3_S, None, 0), (GGMLType.IQ4_XS, "4,1,1,8,2,1", 0),
+                                                (GGMLType.IQ4_XS, None, 256), (GGMLType.Q8_0, None, 128)])
+def test_experts_kernel(fast, qtype, config, share, monkeypatch):
     if config:
         monkeypatch.setenv("FLE_EXPERT_CONFIG", config)      # the unrolled chunk loop
     rng = np.random.default_rng(int(qtype))
@@ -268,28 +306,39 @@ def test_experts_kernel(fast, qtype, config, monkeypatch):
     for s, e in enumerate((4, 1)):
         slots[s] = host[e]
         slot_of[e] = s
-    ids = torch.tensor([1, 2, 4], dtype=torch.int64)
-    x = torch.randn(1, n_embd) * 0.5
-    wts = torch.tensor([0.5, 0.3, 0.2])
-    ref_h = torch.zeros(n_used, n_ff)
+    ids = torch.tensor([1, 2, 4, 0, 3, 5], dtype=torch.int64)    # two tokens: misses 2 | 0, 3, 5
+    x = torch.randn(2, n_embd) * 0.5
+    wts = torch.tensor([0.5, 0.3, 0.2, 0.4, 0.4, 0.2])
+    R = ids.numel()
+    ref_h = torch.zeros(R, n_ff)
     st = engine_ops.ExpertWords(slots, host, engine_ops.WORDS[qtype].itemsize)
     engine_ops.experts_ref(st, qtype, 0, 0, 0, n_ff, rb_gu, slot_of, ids, x, ref_h, True, n_used)
     h_in = ref_h if n_in_d == n_ff else torch.nn.functional.pad(ref_h, (0, n_in_d - n_ff))
-    ref_y = torch.zeros(n_used, n_embd)
+    ref_y = torch.zeros(R, n_embd)
     wsz = engine_ops.WORDS[qtype].itemsize
     engine_ops.experts_ref(st, qtype, 0, d_off // wsz, 0, n_embd, rb_d, slot_of, ids, h_in, ref_y, False, n_used,
                            wts)
+    # the CPU's share (runtime.split): the last round(share * n_miss) misses of each token are skipped
+    on_cpu = {256: [1, 3, 4, 5], 128: [1, 4, 5]}.get(share, [])
+    if share:
+        split_y = torch.zeros(R, n_embd)
+        engine_ops.experts_ref(st, qtype, 0, d_off // wsz, 0, n_embd, rb_d, slot_of, ids, h_in, split_y, False,
+                               n_used, wts, cpu_share=share)
+        keep = [r for r in range(R) if r not in on_cpu]
+        assert torch.equal(split_y[keep], ref_y[keep]) and not split_y[on_cpu].any()
+        ref_y[on_cpu] = 0.0
     # the fast form: host bytes addressed from the slot buffer's pointer
     dev_slots, dev_host = slots.to(DEVICE), host.to(DEVICE)
     words = dev_slots.view(-1).view(engine_ops.WORDS[qtype])
     delta = (dev_host.data_ptr() - words.data_ptr()) // wsz
-    h = torch.zeros(n_used, n_ff, device=DEVICE)
+    h = torch.zeros(R, n_ff, device=DEVICE)
     fast.experts(words, qtype, delta, 0, eb // wsz, n_ff, rb_gu, slot_of.to(DEVICE), ids.to(DEVICE), x.to(DEVICE),
-                 h, True, n_used)
-    _close(h.cpu(), ref_h)
-    y = torch.zeros(n_used, n_embd, device=DEVICE)
+                 h, True, n_used, cpu_share=share)
+    keep = [r for r in range(R) if r not in on_cpu]
+    _close(h.cpu()[keep], ref_h[keep])
+    y = torch.full((R, n_embd), 7.0, device=DEVICE)
     fast.experts(words, qtype, delta, d_off // wsz, eb // wsz, n_embd, rb_d, slot_of.to(DEVICE), ids.to(DEVICE),
-                 h_in.to(DEVICE).contiguous(), y, False, n_used, wts.to(DEVICE))
+                 h_in.to(DEVICE).contiguous(), y, False, n_used, wts.to(DEVICE), cpu_share=share)
     _close(y.cpu(), ref_y)
 
 

@@ -20,6 +20,11 @@ Signatures (both sides; outputs written in place):
   head_dim, n_rot, q_out, k_cache, v_cache)``
 - ``attention(q, k_cache, v_cache, pos, scale, out, partial, ml)``
 - ``embed_row(table, qtype, tok, out)``
+- ``post_misses(split, il, xn, ids, wts, slot_of, serial)`` and
+  ``wait_misses(split, il, ids, slot_of, serial, out)``: the CPU's share of
+  a layer's misses (:mod:`fle_engine.runtime.split`); the reference computes
+  it at once in the post, the fast side hands it to the worker thread
+- ``experts(..., cpu_share=s)`` skips the rows that the CPU computes
 """
 from __future__ import annotations
 
@@ -53,13 +58,27 @@ class ExpertWords:
 
 def experts_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
                 n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
-                gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss") -> Tensor:
+                gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
+                cpu_share: int = 0) -> Tensor:
+    from ..runtime.split import cpu_count
+
     word = store.word
     start = part_words * word
     n_rows = 2 * n_out if gate_up else n_out
     size = n_rows * row_bytes
     slot_of_h = slot_of.cpu()
-    for r, e in enumerate(ids.cpu().tolist()):
+    ids_h = ids.cpu().tolist()
+    on_cpu = set()
+    if cpu_share:
+        for t in range(len(ids_h) // n_used):
+            rows = [t * n_used + k for k in range(n_used) if int(slot_of_h[ids_h[t * n_used + k]]) < 0]
+            n_cpu = cpu_count(len(rows), cpu_share)
+            on_cpu.update(rows[len(rows) - n_cpu:] if n_cpu else [])
+    for r, e in enumerate(ids_h):
+        if r in on_cpu:                  # the CPU's share (runtime.split)
+            if not gate_up:
+                out[r] = 0.0
+            continue
         s = int(slot_of_h[e])
         src = store.slots[s] if s >= 0 else store.host[e]
         raw = src[start:start + size].reshape(n_rows, row_bytes)
@@ -71,6 +90,34 @@ def experts_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part_words
         else:
             out[r] = (x[r].float() @ w.T) * weights[r]
     return out
+
+
+def _cpu_share_of(split, ids: Tensor, slot_of: Tensor):
+    from ..runtime.split import cpu_count
+
+    miss = (slot_of[ids.view(-1)] < 0).cpu()
+    return miss, int(cpu_count(int(miss.sum()), split.share))
+
+
+def post_misses_ref(split, il: int, xn: Tensor, ids: Tensor, wts: Tensor, slot_of: Tensor, serial: Tensor) -> None:
+    """The reference hand-over: the CPU's share computed at once (no worker)."""
+    miss, n_cpu = _cpu_share_of(split, ids, slot_of)
+    if n_cpu:
+        k = ids.numel()
+        box = split.boxes[split.index[il]]
+        box[:k] = ids.view(-1).cpu().numpy()
+        box[k:2 * k] = wts.view(-1).cpu().numpy()
+        box[2 * k:3 * k] = miss.numpy()
+        box[3 * k:] = xn.view(-1).float().cpu().numpy()
+        split.process(il, n_cpu)
+
+
+def wait_misses_ref(split, il: int, ids: Tensor, slot_of: Tensor, serial: Tensor, out: Tensor) -> None:
+    _, n_cpu = _cpu_share_of(split, ids, slot_of)
+    if n_cpu:
+        out.copy_(torch.from_numpy(split.results[split.index[il]].copy()))
+    else:
+        out.zero_()
 
 
 def route_topk_ref(logits: Tensor, n_used: int, scale: float, slot_of: Tensor, ids: Tensor, weights: Tensor,
@@ -133,11 +180,13 @@ def _fast():
     from . import triton_engine as te
 
     return SimpleNamespace(experts=te.experts, route_topk=te.route_topk, add_rmsnorm=te.add_rmsnorm,
-                           qk_rope_kv=te.qk_rope_kv, attention=te.attention, embed_row=te.embed_row)
+                           qk_rope_kv=te.qk_rope_kv, attention=te.attention, embed_row=te.embed_row,
+                           post_misses=te.post_misses, wait_misses=te.wait_misses)
 
 
 REFERENCE = SimpleNamespace(experts=experts_ref, route_topk=route_topk_ref, add_rmsnorm=add_rmsnorm_ref,
-                            qk_rope_kv=qk_rope_kv_ref, attention=attention_ref, embed_row=embed_row_ref)
+                            qk_rope_kv=qk_rope_kv_ref, attention=attention_ref, embed_row=embed_row_ref,
+                            post_misses=post_misses_ref, wait_misses=wait_misses_ref)
 
 # name -> (reference, fast) ; the fast side is filled on first use (it imports triton)
 OPS: dict[str, tuple] = {name: (getattr(REFERENCE, name), None) for name in vars(REFERENCE)}

@@ -39,7 +39,7 @@ from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 
 from .triton_quant import _FORMATS, _decode, _lut, _value_index
 
-__all__ = ["experts", "route_topk", "add_rmsnorm", "qk_rope_kv", "attention", "embed_row", "ATTN_SPLITS"]
+__all__ = ["experts", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv", "attention", "embed_row", "ATTN_SPLITS"]
 
 ATTN_SPLITS = 32
 
@@ -73,31 +73,51 @@ def _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE: tl.constexpr
 @triton.jit
 def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
                    host_delta, part_words, n_out, n_in, n_blocks, row_words, expert_words, n_used,
-                   stride_x, stride_y,
+                   stride_x, stride_y, cpu_share,
                    QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-                   N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr, UNROLL: tl.constexpr):
+                   N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr, UNROLL: tl.constexpr,
+                   SPLIT: tl.constexpr, KP: tl.constexpr):
     pid_n = tl.program_id(0)
     r = tl.program_id(1)                      # (token, chosen expert) row
     e = tl.load(ids_ptr + r).to(tl.int64)
     s = tl.load(slot_of_ptr + e).to(tl.int64)
-    # a cached expert is read from its slot, a missed one from host memory (host_delta words away)
-    base = tl.where(s >= 0, s * expert_words, host_delta + e * expert_words) + part_words
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < n_out
-    row_w = base + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_words
-    if GATE_UP:
-        x_row = r // n_used
+    if SPLIT:
+        # the CPU computes the last n_cpu misses of the token (runtime.split's rule)
+        t = r // n_used
+        kk = tl.arange(0, KP)
+        km = kk < n_used
+        e_all = tl.load(ids_ptr + t * n_used + kk, mask=km, other=0)
+        miss = (tl.load(slot_of_ptr + e_all, mask=km, other=0) < 0) & km
+        n_miss = tl.sum(miss.to(tl.int32), axis=0)
+        rank = tl.sum((miss & (kk < r - t * n_used)).to(tl.int32), axis=0)
+        n_cpu = (n_miss * cpu_share + 128) // 256
+        on_cpu = (s < 0) & (rank >= n_miss - n_cpu)
     else:
-        x_row = r
-    x_base = x_ptr + x_row.to(tl.int64) * stride_x
-    g = _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N, UNROLL)
-    if GATE_UP:
-        row_u = row_w + n_out.to(tl.int64) * row_words      # the up rows follow the gate rows
-        u = _expert_rows(wv, lut_ptr, row_u, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N, UNROLL)
-        out = g / (1.0 + tl.exp(-g)) * u
+        on_cpu = False
+    if on_cpu:
+        if not GATE_UP:
+            offs_z = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(y_ptr + r.to(tl.int64) * stride_y + offs_z, tl.zeros([BLOCK_N], tl.float32), mask=offs_z < n_out)
     else:
-        out = g * tl.load(wts_ptr + r)
-    tl.store(y_ptr + r.to(tl.int64) * stride_y + offs_n, out, mask=mask_n)
+        # a cached expert is read from its slot, a missed one from host memory (host_delta words away)
+        base = tl.where(s >= 0, s * expert_words, host_delta + e * expert_words) + part_words
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_out
+        row_w = base + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_words
+        if GATE_UP:
+            x_row = r // n_used
+        else:
+            x_row = r
+        x_base = x_ptr + x_row.to(tl.int64) * stride_x
+        g = _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N, UNROLL)
+        if GATE_UP:
+            row_u = row_w + n_out.to(tl.int64) * row_words      # the up rows follow the gate rows
+            u = _expert_rows(wv, lut_ptr, row_u, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N,
+                             UNROLL)
+            out = g / (1.0 + tl.exp(-g)) * u
+        else:
+            out = g * tl.load(wts_ptr + r)
+        tl.store(y_ptr + r.to(tl.int64) * stride_y + offs_n, out, mask=mask_n)
 
 
 # (output rows per program, warps, unrolled chunk loop) of the two expert kernels, measured on an
@@ -119,7 +139,8 @@ def _expert_config(gate_up: bool, mode: str) -> tuple[int, int, int]:
 
 def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
             n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
-            gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss") -> Tensor:
+            gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
+            cpu_share: int = 0) -> Tensor:
     """One matrix product of the routed experts (see the module docstring).
 
     ``words``: the slot buffer viewed as the format's words; slot ``s`` of
@@ -129,7 +150,9 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
     ``[T, n_in]`` (gate_up: token r // n_used) or ``[R, n_in]`` (down),
     ``out`` float32 ``[R, n_out]``; ``weights`` float32 ``[R]`` scale the
     down rows. ``mode``: the launch configuration, "miss" when rows may be
-    read from host memory, "hit" when all are cached."""
+    read from host memory, "hit" when all are cached. ``cpu_share``
+    (0..256): the rows that :mod:`fle_engine.runtime.split` gives the CPU
+    are skipped (their down rows written as zeros)."""
     fmt = _FORMATS[qtype]
     values, size = BLOCK_GEOMETRY[qtype]
     n_blocks = row_bytes // size
@@ -140,10 +163,105 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
     _expert_kernel[grid](
         words, _lut(qtype, fmt, words), slot_of, ids, out if weights is None else weights, x, out,
         host_delta, part_words, n_out, n_blocks * values, n_blocks, row_bytes // word, expert_words, n_used,
-        x.stride(0), out.stride(0),
+        x.stride(0), out.stride(0), int(cpu_share),
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
-        BLOCK_N=block_n, GATE_UP=gate_up, UNROLL=bool(unroll), num_warps=warps)
+        BLOCK_N=block_n, GATE_UP=gate_up, UNROLL=bool(unroll), SPLIT=cpu_share > 0,
+        KP=triton.next_power_of_2(n_used), num_warps=warps)
     return out
+
+
+# ---------------------------------------------------------------------------
+# misses handed to the CPU (fle_engine.runtime.split): post and wait
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _fence_sys(x):
+    # orders this thread's earlier writes (to host memory) before its later ones, system-wide
+    return tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _n_cpu(ids_ptr, slot_of_ptr, n_used, cpu_share, KP: tl.constexpr):
+    kk = tl.arange(0, KP)
+    km = kk < n_used
+    e = tl.load(ids_ptr + kk, mask=km, other=0)
+    miss = (tl.load(slot_of_ptr + e, mask=km, other=0) < 0) & km
+    n_miss = tl.sum(miss.to(tl.int32), axis=0)
+    return e, miss, (n_miss * cpu_share + 128) // 256
+
+
+@triton.jit
+def _post_kernel(xn_ptr, ids_ptr, wts_ptr, slot_of_ptr, serial_ptr, box_ptr, flag_ptr, n, n_used, cpu_share,
+                 KP: tl.constexpr, BLOCK: tl.constexpr):
+    kk = tl.arange(0, KP)
+    km = kk < n_used
+    e, miss, n_cpu = _n_cpu(ids_ptr, slot_of_ptr, n_used, cpu_share, KP)
+    serial = tl.load(serial_ptr)
+    if n_cpu > 0:
+        tl.store(box_ptr + kk, e.to(tl.float32), mask=km)
+        tl.store(box_ptr + n_used + kk, tl.load(wts_ptr + kk, mask=km, other=0.0), mask=km)
+        tl.store(box_ptr + 2 * n_used + kk, miss.to(tl.float32), mask=km)
+        for c in range(0, n, BLOCK):
+            o = c + tl.arange(0, BLOCK)
+            tl.store(box_ptr + 3 * n_used + o, tl.load(xn_ptr + o, mask=o < n, other=0.0), mask=o < n)
+    n_cpu = _fence_sys(n_cpu)
+    tl.debug_barrier()
+    tl.store(flag_ptr, serial * 256 + n_cpu.to(tl.int64))
+
+
+@triton.jit
+def _wait_kernel(ids_ptr, slot_of_ptr, serial_ptr, done_ptr, res_ptr, out_ptr, err_ptr, n, n_used, cpu_share,
+                 max_spin, KP: tl.constexpr, BLOCK: tl.constexpr):
+    e, miss, n_cpu = _n_cpu(ids_ptr, slot_of_ptr, n_used, cpu_share, KP)
+    serial = tl.load(serial_ptr)
+    if n_cpu > 0:
+        d = tl.load(done_ptr, volatile=True)
+        i = 0
+        while (d != serial) & (i < max_spin):
+            d = tl.load(done_ptr, volatile=True)
+            i += 1
+        ok = _fence_sys((d == serial).to(tl.int32))
+        if ok == 0:
+            tl.store(err_ptr, 1)
+        for c in range(0, n, BLOCK):
+            o = c + tl.arange(0, BLOCK)
+            v = tl.load(res_ptr + o, mask=o < n, other=0.0, volatile=True)
+            tl.store(out_ptr + o, tl.where(ok != 0, v, 0.0), mask=o < n)
+    else:
+        for c in range(0, n, BLOCK):
+            o = c + tl.arange(0, BLOCK)
+            tl.store(out_ptr + o, tl.zeros([BLOCK], tl.float32), mask=o < n)
+
+
+# the GPU gives up waiting for the CPU after this many reads of the done word (~1 us each over PCIe)
+MAX_SPIN = 20_000_000
+
+
+def post_misses(split, il: int, xn: Tensor, ids: Tensor, wts: Tensor, slot_of: Tensor, serial: Tensor) -> None:
+    """Hand layer ``il``'s CPU share of the misses to the CPU worker (one
+    token: ``xn`` [D], ``ids``/``wts`` [K])."""
+    if _INTERPRET:
+        from .engine_ops import post_misses_ref
+
+        return post_misses_ref(split, il, xn, ids, wts, slot_of, serial)
+    n = xn.numel()
+    _post_kernel[(1,)](xn, ids, wts, slot_of, serial, split.box_ptr(il), split.flag_ptr(il), n, ids.numel(),
+                       split.share, KP=triton.next_power_of_2(ids.numel()), BLOCK=1024, num_warps=4)
+
+
+def wait_misses(split, il: int, ids: Tensor, slot_of: Tensor, serial: Tensor, out: Tensor) -> None:
+    """Layer ``il``'s CPU result into ``out`` [D] (zeros when the CPU had
+    nothing to do), waiting for the worker's done word."""
+    if _INTERPRET:
+        from .engine_ops import wait_misses_ref
+
+        return wait_misses_ref(split, il, ids, slot_of, serial, out)
+    _wait_kernel[(1,)](ids, slot_of, serial, split.done_ptr(il), split.result_ptr(il), out, split.err_ptr(),
+                       out.numel(), ids.numel(), split.share, MAX_SPIN, KP=triton.next_power_of_2(ids.numel()),
+                       BLOCK=1024, num_warps=4)
 
 
 # ---------------------------------------------------------------------------

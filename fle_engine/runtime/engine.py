@@ -23,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from fle_quant.errors import FleError
@@ -34,6 +35,7 @@ from ..layers import rope_table
 from ..loader import Weights
 from . import qwen3moe, qwen3next
 from .cache import ExpertCache
+from .split import SHARE_ONE, MissSplit, ReferenceCpuExperts, parse_split
 from .weights import HostExperts
 
 __all__ = ["Engine", "RunStats", "ARCHS", "KV_TYPES", "parse_budget"]
@@ -89,7 +91,7 @@ class Engine:
     runtime = True              # what the server asks to tell the engine from the reference Model
 
     def __init__(self, path, *, device="cuda", cache_budget="auto", ctx_size: int = 4096,
-                 cache_type_k: str = "f16", cache_type_v: str = "f16", impl: str = "auto",
+                 cache_type_k: str = "f16", cache_type_v: str = "f16", impl: str = "auto", miss_split="auto",
                  profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
                  progress: bool = True, log=None):
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr))
@@ -104,6 +106,7 @@ class Engine:
             if want not in KV_TYPES:
                 raise FleError(f"{name} {want!r}: the engine keeps the KV cache as {', '.join(KV_TYPES)} "
                                f"(q8_0 is not implemented yet)")
+        parse_split(miss_split)
         self.path = Path(path)
         t0 = time.perf_counter()
         gguf = GGUFModel.open(path)
@@ -140,6 +143,8 @@ class Engine:
         st.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         st.ids_log = torch.zeros(a.n_layer, a.n_expert_used, dtype=torch.int32, device=self.device)
         st.hit_log = torch.zeros(a.n_layer, a.n_expert_used, dtype=torch.int32, device=self.device)
+        st.serial = torch.zeros(1, dtype=torch.int64, device=self.device)      # steps run (runtime.split)
+        st.split = None
         self.net.alloc(st)
         self.kv_bytes = sum(t.numel() * t.element_size() for c in st.kv for t in c)
 
@@ -159,6 +164,8 @@ class Engine:
         self.cache = ExpertCache(self.net.layouts, self.host, a.n_expert, budget, self.device, policy, profile)
         if profile is not None:
             self.cache.warm(profile)
+        self.split = None
+        self._setup_split(miss_split)
         self._graph = None
         self.stats = RunStats()
         self.length = 0
@@ -189,6 +196,70 @@ class Engine:
         if bar is not None:
             bar.close()
         self.net.expert_sources = {}
+
+    def _setup_split(self, spec) -> None:
+        """The CPU's share of the misses (``--miss-split``), measured for
+        ``auto``; nothing to split when every layer's experts are cached."""
+        a = self.args
+        share = parse_split(spec)
+        layers = [il for il in self.net.layouts if self.cache.slots_per_layer[il] < a.n_expert]
+        if not layers:
+            return
+        cpu = ReferenceCpuExperts(self.host, self.net.layouts)
+        if share == "auto":
+            share = self._measure_split(cpu, layers[0]) if self.cuda else 0
+        if share:
+            self.split = self.state.split = MissSplit(cpu, layers, a.n_embd, a.n_expert_used, share, self.cuda,
+                                                      self.log)
+            self.log(f"misses: {share / SHARE_ONE:.0%} computed on the CPU ({cpu.name} kernels), the rest read "
+                     f"by the GPU over PCIe")
+
+    def _measure_split(self, cpu, il: int) -> int:
+        """Bytes per second of missed experts on each side, for layer ``il``'s
+        types -> the CPU's share in 0..256 (0 below 1/32)."""
+        a, lay, dev = self.args, self.net.layouts[il], self.device
+        k, eb = a.n_expert_used, lay.expert_bytes
+        rng = np.random.default_rng(0)
+        ids = torch.from_numpy(rng.choice(a.n_expert, k, replace=False).astype(np.int64)).to(dev)
+        none = torch.full((a.n_expert,), -1, dtype=torch.int32, device=dev)
+        x = torch.randn(1, a.n_embd, device=dev) * 0.1
+        h = torch.zeros(k, lay.n_ff, device=dev)
+        y = torch.zeros(k, a.n_embd, device=dev)
+        w = torch.full((k,), 1.0 / k, device=dev)
+
+        def gpu_once():
+            words, delta = self.cache.words(il, lay.gu_type)
+            self.ops.experts(words, lay.gu_type, delta, 0, eb // words.element_size(), lay.n_ff, lay.gu_row_bytes,
+                             none, ids, x, h, True, k, mode="miss")
+            words, delta = self.cache.words(il, lay.down_type)
+            wsz = words.element_size()
+            self.ops.experts(words, lay.down_type, delta, lay.down_offset // wsz, eb // wsz, a.n_embd,
+                             lay.down_row_bytes, none, ids, h, y, False, k, w, mode="miss")
+
+        gpu_once()
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        reps = 20
+        for _ in range(reps):
+            gpu_once()
+        torch.cuda.synchronize(dev)
+        gpu = reps * k * eb / (time.perf_counter() - t0)
+        xs = x.view(-1).cpu().numpy()
+        out = np.zeros(a.n_embd, np.float32)
+        ids_h, w_h = ids.cpu().numpy(), np.full(k, 1.0 / k, np.float32)
+        cpu.ffn(il, ids_h[:1], w_h[:1], xs, out)
+        t0, reps = time.perf_counter(), 0
+        while reps < 3 or time.perf_counter() - t0 < 0.2:
+            cpu.ffn(il, ids_h, w_h, xs, out)
+            reps += 1
+            if time.perf_counter() - t0 > 2.0:
+                break
+        cpu_bw = reps * k * eb / (time.perf_counter() - t0)
+        share = int(round(SHARE_ONE * cpu_bw / (cpu_bw + gpu)))
+        share = share if share >= SHARE_ONE // 32 else 0
+        self.log(f"misses measured: GPU reads {gpu / 1e9:.1f} GB/s over PCIe, the CPU ({cpu.name} kernels) "
+                 f"{cpu_bw / 1e9:.1f} GB/s -> CPU share {share / SHARE_ONE:.0%}")
+        return share
 
     def _profile_path(self, spec) -> "Path | None":
         if spec is None or spec == "none":
@@ -239,15 +310,19 @@ class Engine:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):                       # compile every kernel before capture
-                self.net.step(st, self.ops, self.cache)
+                self._step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            self.net.step(st, self.ops, self.cache)
+            self._step()
         self._graph = g
         st.pos.zero_()
         self.net.reset(st)
         torch.cuda.synchronize(self.device)
+
+    def _step(self) -> None:
+        self.state.serial.add_(1)
+        self.net.step(self.state, self.ops, self.cache)
 
     def memory_report(self) -> dict:
         rep = {"dense_weights": self.net.dense_bytes, "kv_cache": self.kv_bytes, "expert_slots": self.cache.nbytes,
@@ -290,7 +365,7 @@ class Engine:
             self._graph.replay()
         else:
             with torch.inference_mode():
-                self.net.step(st, self.ops, self.cache)
+                self._step()
         if self.cuda:
             self._ring_ids[i].copy_(st.ids_log, non_blocking=True)
             self._ring_hits[i].copy_(st.hit_log, non_blocking=True)
@@ -310,6 +385,8 @@ class Engine:
         if self.cuda:
             self._ring_ev[i].synchronize()
         self.cache.observe(self._ring_ids[i].numpy(), self._ring_hits[i].numpy())
+        if self.split is not None:
+            self.split.check()
         self.consumed += 1
         if self.profile_path is not None and time.monotonic() - self._last_profile_save > PROFILE_EVERY_S:
             self.save_profile()
@@ -426,6 +503,10 @@ class Engine:
             except FleError as e:
                 self.log(f"expert cache profile not saved: {e}")
         self._graph = None
+        if getattr(self, "split", None) is not None:
+            torch.cuda.synchronize(self.device) if self.cuda else None
+            self.split.close()
+            self.split = None
         if getattr(self, "host", None) is not None:
             self.host.close()
 

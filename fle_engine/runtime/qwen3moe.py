@@ -157,7 +157,9 @@ class Net:
         b.wts = torch.zeros(1, a.n_expert_used, **f32)
         b.h = torch.zeros(a.n_expert_used, a.n_ff_exp, **f32)
         n_sh = int(any(L.moe.shared is not None for L in self.layers))
-        b.y = torch.zeros(1, a.n_expert_used + n_sh, a.n_embd, **f32)                 # routed outputs (+ shared)
+        self._n_sh = n_sh
+        # routed outputs (+ shared) (+ the CPU's share of the misses when they are split, runtime.split)
+        b.y = torch.zeros(1, a.n_expert_used + n_sh + 1, a.n_embd, **f32)
         if n_sh:
             f = a.n_ff_shexp
             b.sg, b.su = torch.zeros(1, f, **f32), torch.zeros(1, f, **f32)
@@ -210,20 +212,26 @@ class Net:
                        state.hit_log[il:il + 1])
         ids, lay = b.ids.view(-1), m.layout
         y = b.y[0, :k]
+        split = getattr(state, "split", None)
+        share = split.share if split is not None and il in split.index else 0
+        if share:
+            ops.post_misses(split, il, b.xn.view(-1), ids, b.wts.view(-1), smap, state.serial)
         if state.fast:
             words, delta = cache.words(il, lay.gu_type)
             ops.experts(words, lay.gu_type, delta, 0, lay.expert_bytes // words.element_size(), lay.n_ff,
-                        lay.gu_row_bytes, smap, ids, b.xn, b.h, True, k, mode=cache.mode)
+                        lay.gu_row_bytes, smap, ids, b.xn, b.h, True, k, mode=cache.mode, cpu_share=share)
             words, delta = cache.words(il, lay.down_type)
             wsz = words.element_size()
             ops.experts(words, lay.down_type, delta, lay.down_offset // wsz, lay.expert_bytes // wsz, a.n_embd,
-                        lay.down_row_bytes, smap, ids, b.h, y, False, k, b.wts.view(-1), mode=cache.mode)
+                        lay.down_row_bytes, smap, ids, b.h, y, False, k, b.wts.view(-1), mode=cache.mode,
+                        cpu_share=share)
         else:
             st = cache.reference_store(il, lay.gu_type)
-            ops.experts(st, lay.gu_type, 0, 0, 0, lay.n_ff, lay.gu_row_bytes, smap, ids, b.xn, b.h, True, k)
+            ops.experts(st, lay.gu_type, 0, 0, 0, lay.n_ff, lay.gu_row_bytes, smap, ids, b.xn, b.h, True, k,
+                        cpu_share=share)
             st = cache.reference_store(il, lay.down_type)
             ops.experts(st, lay.down_type, 0, lay.down_offset // st.word, 0, a.n_embd, lay.down_row_bytes, smap,
-                        ids, b.h, y, False, k, b.wts.view(-1))
+                        ids, b.h, y, False, k, b.wts.view(-1), cpu_share=share)
         if m.shared is not None:
             g, u, d = m.shared
             g.matvec(b.xn, b.sg, impl)
@@ -233,9 +241,20 @@ class Net:
             if m.shared_gate is not None:
                 torch.matmul(b.xn, m.shared_gate.T, out=b.sgate)
                 b.y[:, k].mul_(torch.sigmoid(b.sgate))
+        elif self._n_sh and split is not None:
+            b.y[:, k].zero_()                 # the parts are summed as one range
+        if split is not None:
+            row = b.y[0, k + self._n_sh]
+            if share:
+                ops.wait_misses(split, il, ids, smap, state.serial, row)
+            else:
+                row.zero_()
 
     def moe_parts(self, m: Moe, state) -> Tensor:
-        """The parts of b.y that layer's MoE wrote: K routed (+ the shared expert)."""
+        """The parts of b.y that layer's MoE wrote: K routed (+ the shared
+        expert) (+ the CPU's share of the misses)."""
+        if getattr(state, "split", None) is not None:
+            return state.bufs.y
         return state.bufs.y[:, :self.args.n_expert_used + (m.shared is not None)]
 
     def embed(self, state, ops) -> None:

@@ -1,0 +1,272 @@
+"""Cache misses shared between the CPU and the GPU's zero-copy reads.
+
+Per decode step and MoE layer, the misses of a token are split by one
+rule that the GPU kernels and the CPU worker apply to the same data: with
+``n_miss`` of the K routed experts missing from the cache and a share
+``s`` in 0..256, the CPU computes the last ``n_cpu = (n_miss * s + 128) //
+256`` misses (in routing order) and the GPU everything else.
+
+The hand-over needs no host synchronisation inside the step:
+
+1. after routing, one GPU kernel (``post_misses``) writes the token's ids,
+   weights, miss flags and normed activation into a page-locked mailbox of
+   the layer and then, behind a system-scope fence, the layer's flag
+   ``serial * 256 + n_cpu`` (``serial``: a step counter on the device);
+2. a CPU worker thread waits for the flags layer by layer, computes its
+   experts with the CPU kernels straight from the host expert buffer, writes
+   the weighted sum and then the layer's ``done`` word (= serial);
+3. the GPU computes the hits and its misses meanwhile; a last kernel
+   (``wait_misses``) waits for ``done`` (or skips when the layer gave the CPU
+   nothing) and adds the CPU's sum as one more residual part.
+
+The GPU waits in step 3 only when the CPU is slower than the GPU's own
+share; that wait is the cost of the split, and the share is chosen so the
+two finish together: ``auto`` measures both bandwidths at start for this
+machine and file. A wait that never ends (a dead worker) times out in the
+kernel, raises an error flag and is reported as an error, not a hang.
+
+Without CUDA (the reference side, tests) the same rule runs synchronously:
+the post computes the CPU share at once.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import torch
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from fle_quant.errors import FleError
+
+from ..kernels.reference import dequantize_weights
+
+__all__ = ["SHARE_ONE", "cpu_count", "parse_split", "MissSplit", "ReferenceCpuExperts"]
+
+SHARE_ONE = 256
+
+
+def cpu_count(n_miss, share):
+    """The rule: how many of a token's ``n_miss`` misses the CPU computes."""
+    return (n_miss * share + 128) // SHARE_ONE
+
+
+def parse_split(text) -> "str | int":
+    """``--miss-split``: "auto", "gpu" (0), "cpu" (all) or a fraction in
+    [0, 1] -> "auto" or a share in 0..256."""
+    if text is None or text == "gpu":
+        return 0
+    if text == "auto":
+        return "auto"
+    if text == "cpu":
+        return SHARE_ONE
+    try:
+        f = float(text)
+    except (TypeError, ValueError):
+        f = float("nan")
+    if not 0.0 <= f <= 1.0:
+        raise FleError(f"--miss-split {text!r}: give auto, cpu, gpu or the CPU's fraction of the misses "
+                       f"(0 to 1)")
+    return int(round(f * SHARE_ONE))
+
+
+# ---------------------------------------------------------------------------
+# ordered loads and stores on shared host memory (numba)
+
+
+@intrinsic
+def _load_acquire(typingctx, arr, idx):
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
+        return builder.load_atomic(ptr, "acquire", 8)
+    return arr.dtype(arr, idx), codegen
+
+
+@intrinsic
+def _store_release(typingctx, arr, idx, val):
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
+        builder.store_atomic(args[2], ptr, "release", 8)
+        return context.get_dummy_value()
+    return types.void(arr, idx, val), codegen
+
+
+@njit(nogil=True, cache=True)
+def _wait_flag(flags, il, serial, stop):
+    """Spin until layer ``il``'s flag carries ``serial`` or later; -1 when
+    ``stop`` is set."""
+    n = 0
+    while True:
+        f = _load_acquire(flags, il)
+        if (f >> 8) >= serial:
+            return f
+        n += 1
+        if (n & 1023) == 0 and _load_acquire(stop, 0) != 0:
+            return -1
+
+
+@njit(nogil=True, cache=True)
+def _signal(done, il, serial):
+    _store_release(done, il, serial)
+
+
+# ---------------------------------------------------------------------------
+# the CPU's experts
+
+
+class ReferenceCpuExperts:
+    """The CPU side's expert forward, the slow obviously-right form: the
+    expert's rows decoded by fle_quant's dequantizers, float32 products.
+    ``ffn(il, experts, weights, x, out)`` adds ``sum_k w_k * down(silu(gate
+    x) * up x)`` into ``out``."""
+
+    name = "reference"
+
+    def __init__(self, host, layouts):
+        self.host, self.layouts = host, layouts
+
+    def ffn(self, il: int, experts, weights, x: np.ndarray, out: np.ndarray) -> None:
+        lay = self.layouts[il]
+        view = self.host.view(il)
+        xt = torch.from_numpy(np.ascontiguousarray(x, np.float32))
+        for e, w in zip(experts, weights):
+            raw = view[int(e)]
+            gu = dequantize_weights(raw[:2 * lay.n_ff * lay.gu_row_bytes].reshape(2 * lay.n_ff, lay.gu_row_bytes),
+                                    lay.gu_type)
+            v = gu @ xt
+            h = torch.nn.functional.silu(v[:lay.n_ff]) * v[lay.n_ff:]
+            d0 = lay.down_offset
+            dn = dequantize_weights(raw[d0:d0 + lay.n_embd * lay.down_row_bytes].reshape(lay.n_embd,
+                                                                                         lay.down_row_bytes),
+                                    lay.down_type)
+            out += (float(w) * (dn @ h)).numpy()
+
+
+# ---------------------------------------------------------------------------
+
+
+class _Mapped:
+    """A host address that the GPU reads and writes directly (a registered,
+    mapped buffer), as Triton takes pointers."""
+
+    def __init__(self, addr: int, dtype: torch.dtype):
+        self._addr, self.dtype = int(addr), dtype
+
+    def data_ptr(self) -> int:
+        return self._addr
+
+
+class MissSplit:
+    """The mailbox, the worker and the share of one engine.
+
+    ``layers``: the layers whose misses are split (those that can miss);
+    ``share``: the CPU's share of the misses, 0..256."""
+
+    def __init__(self, cpu, layers, n_embd: int, n_used: int, share: int, cuda: bool, log=print):
+        self.cpu, self.layers = cpu, sorted(layers)
+        self.index = {il: i for i, il in enumerate(self.layers)}
+        self.n_embd, self.n_used, self.share = int(n_embd), int(n_used), int(share)
+        self.cuda, self.log = cuda, log
+        L, K, D = len(self.layers), self.n_used, self.n_embd
+        self.box_words = 3 * K + D
+        words = 2 * 8 + 2 * L * 2 + L * D + L * self.box_words     # stop/err, flags/done (int64), results, boxes
+        self.buf = np.zeros(words + 64, np.float32)
+        self.registered = False
+        if cuda:
+            err = torch.cuda.cudart().cudaHostRegister(self.buf.ctypes.data, self.buf.nbytes, 3)
+            if int(getattr(err, "value", err)) != 0:
+                raise FleError("cannot page-lock the CPU-miss mailbox; run with --miss-split gpu")
+            self.registered = True
+        i64 = self.buf[:16 + 4 * L].view(np.int64)
+        self.stop, self.err = i64[0:1], i64[1:2]
+        self.flags, self.done = i64[8:8 + L], i64[8 + L:8 + 2 * L]
+        o = 16 + 4 * L
+        self.results = self.buf[o:o + L * D].reshape(L, D)
+        o += L * D
+        self.boxes = self.buf[o:o + L * self.box_words].reshape(L, self.box_words)
+        self._expect = 1
+        self.busy_seconds = 0.0
+        self.cpu_experts = 0
+        self._thread = None
+        if cuda:
+            _wait_flag(self.flags, 0, 0, self.stop)      # compile before the first step
+            _signal(self.done, 0, 0)
+            self._thread = threading.Thread(target=self._run, name="fle-cpu-misses", daemon=True)
+            self._thread.start()
+
+    # device-side addresses -----------------------------------------------------------
+    def flag_ptr(self, il):
+        return _Mapped(self.flags[self.index[il]:].ctypes.data, torch.int64)
+
+    def done_ptr(self, il):
+        return _Mapped(self.done[self.index[il]:].ctypes.data, torch.int64)
+
+    def err_ptr(self):
+        return _Mapped(self.err.ctypes.data, torch.int64)
+
+    def result_ptr(self, il):
+        return _Mapped(self.results[self.index[il]].ctypes.data, torch.float32)
+
+    def box_ptr(self, il):
+        return _Mapped(self.boxes[self.index[il]].ctypes.data, torch.float32)
+
+    # the CPU's work ------------------------------------------------------------------
+    def process(self, il: int, n_cpu: int) -> None:
+        """Compute layer ``il``'s CPU share from its mailbox into its result."""
+        t0 = time.perf_counter()
+        K, i = self.n_used, self.index[il]
+        box = self.boxes[i]
+        ids, wts, miss = box[:K].astype(np.int64), box[K:2 * K], box[2 * K:3 * K] > 0.5
+        x = box[3 * K:]
+        mine = np.flatnonzero(miss)[-n_cpu:] if n_cpu > 0 else np.zeros(0, np.int64)
+        out = self.results[i]
+        out[:] = 0.0
+        self.cpu.ffn(il, ids[mine], wts[mine], x, out)
+        self.cpu_experts += len(mine)
+        self.busy_seconds += time.perf_counter() - t0
+
+    def _run(self) -> None:
+        try:
+            while True:
+                for il in self.layers:
+                    f = _wait_flag(self.flags, self.index[il], self._expect, self.stop)
+                    if f < 0:
+                        return
+                    serial, n_cpu = int(f) >> 8, int(f) & 255
+                    # a later serial: the GPU passed the rest of the earlier step without CPU work
+                    self._expect = serial
+                    if n_cpu:
+                        self.process(il, n_cpu)
+                        _signal(self.done, self.index[il], serial)
+                self._expect += 1
+        except BaseException as e:  # noqa: BLE001 - reported by check(); the GPU's wait times out
+            self.failure = e
+            self.err[0] = 2
+
+    def check(self) -> None:
+        """Raise when the worker failed or a GPU wait timed out."""
+        if int(self.err[0]) != 0:
+            why = getattr(self, "failure", None)
+            raise FleError("the CPU-miss worker " + (f"failed: {why}" if why is not None else
+                                                     "did not answer in time") + "; run with --miss-split gpu")
+
+    def close(self) -> None:
+        self.stop[0] = 1
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buf.ctypes.data)
+            self.registered = False
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
