@@ -1,0 +1,1 @@
+"""CPU expert kernels (work in progress: see the package modules)."""
