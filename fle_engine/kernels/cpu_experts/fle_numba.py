@@ -24,8 +24,6 @@ numba's thread pool (started once, reused by every call).
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 
@@ -35,8 +33,9 @@ from fle_quant.quants.blocks_k import _scale_min_k4
 from fle_quant.quants.tables import IQ2S_GRID, IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS, KVALUES_IQ4NL
 
 from .acts import quantize_row
+from .plan import plan, silu_mul_row, weighted_sum
 
-__all__ = ["CODES", "expert_forward", "matvec", "permute_iq4"]
+__all__ = ["CODES", "forward", "matvec", "permute_iq4"]
 
 _F32 = np.float32
 
@@ -334,3 +333,78 @@ def matvec(rows: np.ndarray, qtype: GGMLType, acts) -> np.ndarray:
     nb = rows.shape[1] // _BLOCK_BYTES[code]
     _matvec(code, np.ascontiguousarray(rows), nb, xq, acts.d, acts.sums, out)
     return out
+
+
+@njit(cache=True, parallel=True)
+def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, ids, wts, out, chunk):
+    """The fused expert FFN (see the module docstring); arguments as
+    :func:`fle_engine.kernels.cpu_experts.expert_forward` unpacks them."""
+    n_t = x.shape[0]
+    pid, ptok, uexp, ustart, upairs = plan(ids)
+    n_p = ptok.shape[0]
+    n_u = uexp.shape[0]
+    # activations, once
+    gu_k = not (gu_code == _Q8_0 or gu_code == _IQ4_NL or gu_code == _Q2_0)
+    xd = np.empty((n_t, n_embd // (256 if gu_k else 32)), np.float32)
+    xq = np.empty((n_t, n_embd), np.int8)
+    xs = np.empty((n_t, n_embd // 32), np.int32)
+    tmp = np.empty(34, np.uint8)
+    for t in range(n_t):
+        quantize_row(x[t], gu_k, xd[t], xq[t], xs[t], tmp)
+    if gu_code == _IQ4_XS or gu_code == _IQ4_NL:
+        xq = permute_iq4(xq)
+    # gate and up rows of each distinct expert, for all its tokens
+    g = np.empty((n_p, n_ff), np.float32)
+    up = np.empty((n_p, n_ff), np.float32)
+    nbg = gu_rb // _BLOCK_BYTES[gu_code]
+    nch = (n_ff + chunk - 1) // chunk
+    for it in prange(n_u * nch):
+        ui = it // nch
+        c = it - ui * nch
+        e = uexp[ui]
+        p0 = ustart[ui]
+        nt = ustart[ui + 1] - p0
+        arow = np.empty(nt, np.int64)
+        for k in range(nt):
+            arow[k] = ptok[upairs[p0 + k]]
+        acc = np.empty(nt, np.float32)
+        w64, sc, mn = _scratch()
+        for r in range(c * chunk, min(n_ff, (c + 1) * chunk)):
+            _row(gu_code, buf[e, r * gu_rb:(r + 1) * gu_rb], nbg, xq, xd, xs, arow, nt, acc, w64, sc, mn)
+            for k in range(nt):
+                g[upairs[p0 + k], r] = acc[k]
+            o = (n_ff + r) * gu_rb
+            _row(gu_code, buf[e, o:o + gu_rb], nbg, xq, xd, xs, arow, nt, acc, w64, sc, mn)
+            for k in range(nt):
+                up[upairs[p0 + k], r] = acc[k]
+    # silu(gate) * up, quantized once per pair
+    down_k = not (down_code == _Q8_0 or down_code == _IQ4_NL or down_code == _Q2_0)
+    hd = np.empty((n_p, n_ff // (256 if down_k else 32)), np.float32)
+    hq = np.empty((n_p, n_ff), np.int8)
+    hs = np.empty((n_p, n_ff // 32), np.int32)
+    for p in prange(n_p):
+        h = np.empty(n_ff, np.float32)
+        silu_mul_row(g[p], up[p], h)
+        quantize_row(h, down_k, hd[p], hq[p], hs[p], np.empty(34, np.uint8))
+    if down_code == _IQ4_XS or down_code == _IQ4_NL:
+        hq = permute_iq4(hq)
+    # down rows
+    y = np.empty((n_p, n_embd), np.float32)
+    nbd = down_rb // _BLOCK_BYTES[down_code]
+    nch = (n_embd + chunk - 1) // chunk
+    for it in prange(n_u * nch):
+        ui = it // nch
+        c = it - ui * nch
+        e = uexp[ui]
+        p0 = ustart[ui]
+        nt = ustart[ui + 1] - p0
+        arow = upairs[p0:p0 + nt]
+        acc = np.empty(nt, np.float32)
+        w64, sc, mn = _scratch()
+        for r in range(c * chunk, min(n_embd, (c + 1) * chunk)):
+            o = down_off + r * down_rb
+            _row(down_code, buf[e, o:o + down_rb], nbd, hq, hd, hs, arow, nt, acc, w64, sc, mn)
+            for k in range(nt):
+                y[arow[k], r] = acc[k]
+    for t in prange(n_t):
+        weighted_sum(pid, wts, y, out, t)
