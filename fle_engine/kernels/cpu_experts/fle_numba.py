@@ -33,6 +33,7 @@ from fle_quant.quants.blocks_k import _scale_min_k4
 from fle_quant.quants.tables import IQ2S_GRID, IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS, KVALUES_IQ4NL
 
 from .acts import quantize_row
+from .simd import dot16_s8, dot32_hi4, dot32_lo4, dot32_s8
 from .plan import plan, silu_mul_row, weighted_sum
 
 __all__ = ["CODES", "forward", "matvec", "permute_iq4"]
@@ -74,20 +75,11 @@ def _neg(g, m):
 
 
 @njit(cache=True, inline="always")
-def _sub_dot(w8, x, xo):
-    # sum of 32 products of int8 lanes
-    s = np.int32(0)
-    for i in range(32):
-        s += np.int32(w8[i]) * np.int32(x[xo + i])
-    return s
-
-
-@njit(cache=True, inline="always")
 def _dot8(w8, sc, x, xo):
     # sum over the 8 sub-blocks of a 256-value block: scale * integer dot
-    s = np.int32(0)
+    s = np.int64(0)
     for j in range(8):
-        s += sc[j] * _sub_dot(w8[32 * j:32 * j + 32], x, xo + 32 * j)
+        s += np.int64(sc[j]) * dot32_s8(w8, 32 * j, x, xo + 32 * j)
     return s
 
 
@@ -116,15 +108,11 @@ def _dec_iq2_s(b, o, w64, sc):
 
 @njit(cache=True, inline="always")
 def _dot_halves(w8, sc, x, xo):
-    # IQ2: the two 16-value halves of each sub-block have their own scale
-    s = np.int32(0)
+    # IQ2 and Q6_K: the two 16-value halves of each sub-block have their own scale
+    s = np.int64(0)
     for j in range(8):
-        s0 = np.int32(0)
-        s1 = np.int32(0)
-        for i in range(16):
-            s0 += np.int32(w8[32 * j + i]) * np.int32(x[xo + 32 * j + i])
-            s1 += np.int32(w8[32 * j + 16 + i]) * np.int32(x[xo + 32 * j + 16 + i])
-        s += sc[j] * s0 + sc[j + 8] * s1
+        s += (np.int64(sc[j]) * dot16_s8(w8, 32 * j, x, xo + 32 * j)
+              + np.int64(sc[j + 8]) * dot16_s8(w8, 32 * j + 16, x, xo + 32 * j + 16))
     return s
 
 
@@ -246,7 +234,7 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
                 a = acc[k]
                 for hh in range(nh):
                     ab = nh * bi + hh
-                    s = _sub_dot(w8[32 * hh:32 * hh + 32], xq[r], 32 * ab)
+                    s = dot32_s8(w8, 32 * hh, xq[r], 32 * ab)
                     a = a + (dw * xd[r, ab]) * (_F32(s) * frac)
                 acc[k] = a
         return

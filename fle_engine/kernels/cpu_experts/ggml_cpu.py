@@ -156,7 +156,8 @@ def quantize(x: np.ndarray, qtype: GGMLType) -> np.ndarray:
     uint8 [R, act_row_bytes]."""
     tr = traits(qtype)
     x = np.ascontiguousarray(x, np.float32)
-    out = np.empty((x.shape[0], tr.act_row_bytes(x.shape[1])), np.uint8)
+    # zeros: ggml's Q8_K leaves the sums of an all-zero block unwritten (its scale is 0)
+    out = np.zeros((x.shape[0], tr.act_row_bytes(x.shape[1])), np.uint8)
     _quantize(np.int64(tr.from_float), x, out)
     return out
 

@@ -94,7 +94,8 @@ def matvec_ref(rows: np.ndarray, qtype: GGMLType, acts: Acts) -> np.ndarray:
 def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """silu(g) * u: silu in float64 rounded to float32, then the float32 product."""
     g64 = g.astype(np.float64)
-    return (g64 / (1.0 + np.exp(-g64))).astype(np.float32) * u
+    with np.errstate(over="ignore"):  # exp(-g) = inf for g < -709: silu is then -0
+        return (g64 / (1.0 + np.exp(-g64))).astype(np.float32) * u
 
 
 def expert_forward_ref(experts: np.ndarray, layout, x: np.ndarray, ids: np.ndarray,
@@ -138,7 +139,8 @@ def dequantized_forward(experts: np.ndarray, layout, x: np.ndarray, ids: np.ndar
             gu = dequantize(experts[e, :gu_bytes].reshape(2 * lay.n_ff, -1), lay.gu_type).astype(np.float64)
             v = gu @ x[t].astype(np.float64)
             g, u = v[:lay.n_ff], v[lay.n_ff:]
-            h = g / (1.0 + np.exp(-g)) * u
+            with np.errstate(over="ignore"):
+                h = g / (1.0 + np.exp(-g)) * u
             down = experts[e, lay.down_offset:lay.down_offset + lay.n_embd * lay.down_row_bytes]
             out[t] += float(weights[t, j]) * (dequantize(down.reshape(lay.n_embd, -1), lay.down_type) @ h)
     return out
