@@ -8,11 +8,10 @@ per call however many tokens use it. The decoders avoid per-value table
 look-ups: a grid entry of 4 or 8 values is one 32/64-bit load, and its
 signs are applied to all eight bytes at once (``(g ^ m) + (m & 0x01..01)``
 negates the bytes where the mask ``m`` is 0xFF; no byte carries into the
-next because grid values are 1..127). IQ4_XS / IQ4_NL look up two values per
-byte from a 256-entry pair table and so produce their 32 values in the order
-``x[0], x[16], x[1], x[17], ...``: their activations are permuted to match
-once per call (``permute_iq4``). The integer dots are plain loops over int8
-arrays, which LLVM vectorises (pmaddwd / vpdpwssd).
+next because grid values are 1..127). Q4_K and IQ4_XS / IQ4_NL are not
+decoded at all: their nibbles are split in vector registers (IQ4's code book
+looked up 16 lanes at a time, :func:`.simd.dot_iq4`) and multiplied at
+once. The integer dots are LLVM vector IR (:mod:`.simd`).
 
 The float arithmetic per block and per output follows
 :mod:`.reference` exactly, so the results are bit-identical to it.
@@ -30,13 +29,13 @@ from numba import njit, prange
 from fle_quant.ggml_types import GGMLType
 from fle_quant.quants.blocks_common import fp16_at, u16, u32
 from fle_quant.quants.blocks_k import _scale_min_k4
-from fle_quant.quants.tables import IQ2S_GRID, IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS, KVALUES_IQ4NL
+from fle_quant.quants.tables import IQ2S_GRID, IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS
 
 from .acts import quantize_row
-from .simd import dot16_s8, dot32_hi4, dot32_lo4, dot32_s8
+from .simd import dot16_s8, dot32_hi4, dot32_lo4, dot32_s8, dot_iq4
 from .plan import plan, silu_mul_row, weighted_sum
 
-__all__ = ["CODES", "forward", "matvec", "permute_iq4"]
+__all__ = ["CODES", "forward", "matvec"]
 
 _F32 = np.float32
 
@@ -63,9 +62,6 @@ _G2S = _pack(IQ2S_GRID, np.uint64)  # 1024 x 8
 # sign byte -> 8 byte masks (0xFF where the bit is set)
 _SMASK = np.array([sum(0xFF << (8 * k) for k in range(8) if (s >> k) & 1) for s in range(256)], np.uint64)
 _KSIGNS = KSIGNS.astype(np.int64)
-# IQ4 byte -> its two values (low nibble's in the low byte)
-_KV2 = np.array([(int(KVALUES_IQ4NL[b & 15]) & 0xFF) | ((int(KVALUES_IQ4NL[b >> 4]) & 0xFF) << 8)
-                 for b in range(256)], np.uint16)
 _ONES = np.uint64(0x0101010101010101)
 
 
@@ -140,30 +136,18 @@ def _dec_iq3_s(b, o, w64, sc):
 
 
 @njit(cache=True, inline="always")
-def _dec_iq4_xs(b, o, w64, sc):
+def _scales_iq4_xs(b, o, sc):
     sh = u16(b, o + 2)
     for j in range(8):
         sc[j] = np.int32(((np.int64(b[o + 4 + j // 2]) >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32
-        q = o + 8 + 16 * j
-        for l in range(4):
-            w64[4 * j + l] = (np.uint64(_KV2[b[q + 4 * l]]) | (np.uint64(_KV2[b[q + 4 * l + 1]]) << np.uint64(16))
-                              | (np.uint64(_KV2[b[q + 4 * l + 2]]) << np.uint64(32))
-                              | (np.uint64(_KV2[b[q + 4 * l + 3]]) << np.uint64(48)))
 
 
 @njit(cache=True, inline="always")
-def _dec_q4_k(b, o, w8, sc, mn):
-    for c in range(4):
-        s1, m1 = _scale_min_k4(2 * c, b[o:o + 16])
-        s2, m2 = _scale_min_k4(2 * c + 1, b[o:o + 16])
-        sc[2 * c] = np.int32(s1)
-        sc[2 * c + 1] = np.int32(s2)
-        mn[2 * c] = np.int32(m1)
-        mn[2 * c + 1] = np.int32(m2)
-        for l in range(32):
-            q = b[o + 16 + 32 * c + l]
-            w8[64 * c + l] = np.int8(q & 15)
-            w8[64 * c + 32 + l] = np.int8(q >> 4)
+def _scales_q4_k(b, o, sc, mn):
+    for j in range(8):
+        s1, m1 = _scale_min_k4(j, b[o:o + 16])
+        sc[j] = np.int32(s1)
+        mn[j] = np.int32(m1)
 
 
 @njit(cache=True, inline="always")
@@ -216,10 +200,6 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
             elif code == _IQ4_NL:
                 o = 18 * bi
                 dw = fp16_at(w, o)
-                for l in range(16):
-                    v = _KV2[w[o + 2 + l]]
-                    w8[2 * l] = np.int8(v & 0xFF)
-                    w8[2 * l + 1] = np.int8(v >> 8)
                 nh = 1
             else:
                 o = 18 * bi
@@ -234,7 +214,10 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
                 a = acc[k]
                 for hh in range(nh):
                     ab = nh * bi + hh
-                    s = dot32_s8(w8, 32 * hh, xq[r], 32 * ab)
+                    if code == _IQ4_NL:
+                        s = dot_iq4(w, o + 2, xq[r], 32 * ab)
+                    else:
+                        s = dot32_s8(w8, 32 * hh, xq[r], 32 * ab)
                     a = a + (dw * xd[r, ab]) * (_F32(s) * frac)
                 acc[k] = a
         return
@@ -250,9 +233,9 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
         elif code == _IQ3_S:
             _dec_iq3_s(w, o, w64, sc)
         elif code == _IQ4_XS:
-            _dec_iq4_xs(w, o, w64, sc)
+            _scales_iq4_xs(w, o, sc)
         elif code == _Q4_K:
-            _dec_q4_k(w, o, w8, sc, mn)
+            _scales_q4_k(w, o, sc, mn)
         elif code == _Q5_K:
             _dec_q5_k(w, o, w8, sc, mn)
         else:
@@ -266,6 +249,16 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
             xo = 256 * bi
             if code == _IQ2_XS or code == _IQ2_S or code == _Q6_K:
                 s = _dot_halves(w8, sc, xq[r], xo)
+            elif code == _IQ4_XS:
+                s = np.int64(0)
+                for j in range(8):
+                    s += np.int64(sc[j]) * dot_iq4(w, o + 8 + 16 * j, xq[r], xo + 32 * j)
+            elif code == _Q4_K:
+                s = np.int64(0)
+                for c in range(4):
+                    q = o + 16 + 32 * c
+                    s += (np.int64(sc[2 * c]) * dot32_lo4(w, q, xq[r], xo + 64 * c)
+                          + np.int64(sc[2 * c + 1]) * dot32_hi4(w, q, xq[r], xo + 64 * c + 32))
             else:
                 s = _dot8(w8, sc, xq[r], xo)
             dd = dw * xd[r, bi]
@@ -283,19 +276,6 @@ def _scratch():
     return np.empty(32, np.uint64), np.empty(16, np.int32), np.empty(8, np.int32)
 
 
-@njit(cache=True)
-def permute_iq4(qs):
-    """Activation codes [R, n] in the order the IQ4 decoders produce values:
-    within each 32, x[0], x[16], x[1], x[17], ..."""
-    out = np.empty_like(qs)
-    for r in range(qs.shape[0]):
-        for b in range(qs.shape[1] // 32):
-            for l in range(16):
-                out[r, 32 * b + 2 * l] = qs[r, 32 * b + l]
-                out[r, 32 * b + 2 * l + 1] = qs[r, 32 * b + 16 + l]
-    return out
-
-
 @njit(cache=True, parallel=True)
 def _matvec(code, rows, nb, xq, xd, xs, out):
     n_rows = rows.shape[0]
@@ -309,14 +289,10 @@ def _matvec(code, rows, nb, xq, xd, xs, out):
             out[k, r] = acc[k]
 
 
-def _needs_perm(code: int) -> bool:
-    return code in (_IQ4_XS, _IQ4_NL)
-
-
 def matvec(rows: np.ndarray, qtype: GGMLType, acts) -> np.ndarray:
     """Same contract as :func:`.reference.matvec_ref`."""
     code = CODES[qtype]
-    xq = permute_iq4(acts.qs) if _needs_perm(code) else acts.qs
+    xq = acts.qs
     out = np.empty((acts.qs.shape[0], rows.shape[0]), np.float32)
     nb = rows.shape[1] // _BLOCK_BYTES[code]
     _matvec(code, np.ascontiguousarray(rows), nb, xq, acts.d, acts.sums, out)
@@ -339,8 +315,6 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
     tmp = np.empty(34, np.uint8)
     for t in range(n_t):
         quantize_row(x[t], gu_k, xd[t], xq[t], xs[t], tmp)
-    if gu_code == _IQ4_XS or gu_code == _IQ4_NL:
-        xq = permute_iq4(xq)
     # gate and up rows of each distinct expert, for all its tokens
     g = np.empty((n_p, n_ff), np.float32)
     up = np.empty((n_p, n_ff), np.float32)
@@ -374,8 +348,6 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
         h = np.empty(n_ff, np.float32)
         silu_mul_row(g[p], up[p], h)
         quantize_row(h, down_k, hd[p], hq[p], hs[p], np.empty(34, np.uint8))
-    if down_code == _IQ4_XS or down_code == _IQ4_NL:
-        hq = permute_iq4(hq)
     # down rows
     y = np.empty((n_p, n_embd), np.float32)
     nbd = down_rb // _BLOCK_BYTES[down_code]
