@@ -182,7 +182,7 @@ def test_expert_forward(gu, down):
     rng = np.random.default_rng(1000 + 64 * int(gu) + int(down))
     lay = ce.Geometry.of(256, 512, gu, down)
     buf = experts_buffer(lay, 5, rng)
-    for n_t in (1, 3, 8):
+    for n_t in (1, 8):
         x = rng.standard_normal((n_t, lay.n_embd)).astype(np.float32)
         ids = IDS[:n_t] if n_t > 1 else IDS[1:2]
         w = rng.random(ids.shape).astype(np.float32)
@@ -195,28 +195,43 @@ def test_expert_forward(gu, down):
         assert scaled_error(want, fl_out, bound) <= 1e-3, f"{gu.name}/{down.name} T={n_t}"
         if GGML:
             gg = ce.expert_forward(buf, lay, x, ids, w, impl="ggml")
-            assert scaled_error(gg, fl_out, bound) <= 1e-3, f"ggml {gu.name}/{down.name} T={n_t}"
+            fl_out, bound = float_pipeline(buf, lay, x, ids, w, ggml_acts)
+            # ggml's gate/up sums differ from these by float32 rounding, which can move a value of
+            # silu * up across a rounding boundary of its 8-bit code: one code step moves an output by
+            # up to 1/127 of its block's share of the scale, hence the wider bound
+            assert scaled_error(gg, fl_out, bound) <= 1e-2, f"ggml {gu.name}/{down.name} T={n_t}"
 
 
-def float_pipeline(buf, lay, x, ids, w):
+def fle_acts(x, qtype):
+    return quantize_acts(x, DOT_TYPE[qtype])
+
+
+def ggml_acts(x, qtype):
+    return unpack(qtype, ggml_cpu.quantize(x, qtype))
+
+
+def float_pipeline(buf, lay, x, ids, w, acts=fle_acts):
     """The forward in float64 from dequantized weights and the dequantized
-    activation codes at each stage; and its scale sum_k |w_k| |D| |h|."""
+    activation codes at each stage (quantized by ``acts``, the backend's
+    quantizer); and its scale sum_k |w_k| |D| |h|."""
     out = np.zeros((ids.shape[0], lay.n_embd))
     bound = np.zeros_like(out)
     gu_bytes = 2 * lay.n_ff * lay.gu_row_bytes
-    xa = dequantized_acts(quantize_acts(x, DOT_TYPE[lay.gu_type]))
+    xa = dequantized_acts(acts(x, lay.gu_type))
+    gus = dequantize(buf[:, :gu_bytes].reshape(buf.shape[0], 2 * lay.n_ff, -1), lay.gu_type).astype(np.float64)
+    downs = dequantize(buf[:, lay.down_offset:lay.down_offset + lay.n_embd * lay.down_row_bytes]
+                       .reshape(buf.shape[0], lay.n_embd, -1), lay.down_type).astype(np.float64)
     for t in range(ids.shape[0]):
         for j in range(ids.shape[1]):
             e = ids[t, j]
             if e < 0:
                 continue
-            gu = dequantize(buf[e, :gu_bytes].reshape(2 * lay.n_ff, -1), lay.gu_type).astype(np.float64)
+            gu = gus[e]
             v = gu @ xa[t]
             with np.errstate(over="ignore"):
                 h = v[:lay.n_ff] / (1 + np.exp(-v[:lay.n_ff])) * v[lay.n_ff:]
-            ha = dequantized_acts(quantize_acts(h[None].astype(np.float32), DOT_TYPE[lay.down_type]))[0]
-            d = dequantize(buf[e, lay.down_offset:lay.down_offset + lay.n_embd * lay.down_row_bytes]
-                           .reshape(lay.n_embd, -1), lay.down_type).astype(np.float64)
+            ha = dequantized_acts(acts(h[None].astype(np.float32), lay.down_type))[0]
+            d = downs[e]
             out[t] += w[t, j] * (d @ ha)
             bound[t] += abs(w[t, j]) * (np.abs(d) @ np.abs(ha))
     return out, bound
