@@ -1,0 +1,370 @@
+"""FLE's own CPU expert kernels: numba, no C compiler needed on the user's
+machine.
+
+Each weight block is decoded into int8 lanes (a scratch of 256 bytes that
+stays in L1) and then multiplied as integers with the int8 activation
+codes of every token that routed to the expert, so a block is decoded once
+per call however many tokens use it. The decoders avoid per-value table
+look-ups: a grid entry of 4 or 8 values is one 32/64-bit load, and its
+signs are applied to all eight bytes at once (``(g ^ m) + (m & 0x01..01)``
+negates the bytes where the mask ``m`` is 0xFF; no byte carries into the
+next because grid values are 1..127). Q4_K and IQ4_XS / IQ4_NL are not
+decoded at all: their nibbles are split in vector registers (IQ4's code book
+looked up 16 lanes at a time, :func:`.simd.dot_iq4`) and multiplied at
+once. The integer dots are LLVM vector IR (:mod:`.simd`).
+
+The float arithmetic per block and per output follows
+:mod:`.reference` exactly, so the results are bit-identical to it.
+
+``expert_forward`` runs the whole expert FFN of a few tokens in one call:
+gate+up rows, then silu * up quantized once per (token, expert), then the
+down rows, then the weighted sum, each product parallel over row chunks on
+numba's thread pool (started once, reused by every call).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from fle_quant.ggml_types import GGMLType
+from fle_quant.quants.blocks_common import fp16_at, u16, u32
+from fle_quant.quants.blocks_k import _scale_min_k4
+from fle_quant.quants.tables import IQ2S_GRID, IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS
+
+from .acts import quantize_row
+from .simd import dot16_s8, dot32_hi4, dot32_lo4, dot32_s8, dot_iq4
+from .plan import plan, silu_mul_row, weighted_sum
+
+__all__ = ["CODES", "forward", "matvec"]
+
+_F32 = np.float32
+
+# type codes understood by the kernels
+CODES = {GGMLType.IQ2_XS: 0, GGMLType.IQ2_S: 1, GGMLType.IQ3_XXS: 2, GGMLType.IQ3_S: 3, GGMLType.IQ4_XS: 4,
+         GGMLType.IQ4_NL: 5, GGMLType.Q2_0: 6, GGMLType.Q4_K: 7, GGMLType.Q5_K: 8, GGMLType.Q6_K: 9,
+         GGMLType.Q8_0: 10}
+_IQ2_XS, _IQ2_S, _IQ3_XXS, _IQ3_S, _IQ4_XS, _IQ4_NL, _Q2_0, _Q4_K, _Q5_K, _Q6_K, _Q8_0 = range(11)
+_FRACTION = np.array([0.125, 0.125, 0.25, 1, 1, 1, 1, 1, 1, 1, 1], np.float32)
+_BLOCK_BYTES = np.array([74, 82, 98, 110, 136, 18, 18, 144, 176, 210, 34], np.int64)
+_BLOCK_VALUES = np.array([256, 256, 256, 256, 256, 32, 64, 256, 256, 256, 32], np.int64)
+
+
+def _pack(grid: np.ndarray, dtype) -> np.ndarray:
+    """Grid rows of small integers -> one little-endian word of bytes each."""
+    g = grid.astype(np.uint8)
+    return np.ascontiguousarray(g).view(dtype).reshape(-1).copy()
+
+
+_G3XXS = _pack(IQ3XXS_GRID, np.uint32)  # 256 x 4 values
+_G3S = _pack(IQ3S_GRID, np.uint32)  # 512 x 4
+_G2XS = _pack(IQ2XS_GRID, np.uint64)  # 512 x 8
+_G2S = _pack(IQ2S_GRID, np.uint64)  # 1024 x 8
+# sign byte -> 8 byte masks (0xFF where the bit is set)
+_SMASK = np.array([sum(0xFF << (8 * k) for k in range(8) if (s >> k) & 1) for s in range(256)], np.uint64)
+_KSIGNS = KSIGNS.astype(np.int64)
+_ONES = np.uint64(0x0101010101010101)
+
+
+@njit(cache=True, inline="always")
+def _neg(g, m):
+    return (g ^ m) + (m & _ONES)
+
+
+@njit(cache=True, inline="always")
+def _dot8(w8, sc, x, xo):
+    # sum over the 8 sub-blocks of a 256-value block: scale * integer dot
+    s = np.int64(0)
+    for j in range(8):
+        s += np.int64(sc[j]) * dot32_s8(w8, 32 * j, x, xo + 32 * j)
+    return s
+
+
+@njit(cache=True, inline="always")
+def _dec_iq2_xs(b, o, w64, sc):
+    for j in range(8):
+        s = np.int32(b[o + 66 + j])
+        sc[j] = 2 * (s & 15) + 1
+        sc[j + 8] = 2 * (s >> 4) + 1
+        for l in range(4):
+            q = u16(b, o + 2 + 8 * j + 2 * l)
+            w64[4 * j + l] = _neg(_G2XS[q & 511], _SMASK[_KSIGNS[q >> 9]])
+
+
+@njit(cache=True, inline="always")
+def _dec_iq2_s(b, o, w64, sc):
+    for j in range(8):
+        s = np.int32(b[o + 74 + j])
+        sc[j] = 2 * (s & 15) + 1
+        sc[j + 8] = 2 * (s >> 4) + 1
+        qh = np.int64(b[o + 66 + j])
+        for l in range(4):
+            g = np.int64(b[o + 2 + 4 * j + l]) | ((qh << (8 - 2 * l)) & 0x300)
+            w64[4 * j + l] = _neg(_G2S[g], _SMASK[b[o + 34 + 4 * j + l]])
+
+
+@njit(cache=True, inline="always")
+def _dot_halves(w8, sc, x, xo):
+    # IQ2 and Q6_K: the two 16-value halves of each sub-block have their own scale
+    s = np.int64(0)
+    for j in range(8):
+        s += (np.int64(sc[j]) * dot16_s8(w8, 32 * j, x, xo + 32 * j)
+              + np.int64(sc[j + 8]) * dot16_s8(w8, 32 * j + 16, x, xo + 32 * j + 16))
+    return s
+
+
+@njit(cache=True, inline="always")
+def _dec_iq3_xxs(b, o, w64, sc):
+    for j in range(8):
+        aux = u32(b, o + 66 + 4 * j)
+        sc[j] = 2 * np.int32(aux >> 28) + 1
+        for l in range(4):
+            m = _SMASK[_KSIGNS[(aux >> (7 * l)) & 127]]
+            g = np.uint64(_G3XXS[b[o + 2 + 8 * j + 2 * l]]) | (np.uint64(_G3XXS[b[o + 3 + 8 * j + 2 * l]]) << np.uint64(32))
+            w64[4 * j + l] = _neg(g, m)
+
+
+@njit(cache=True, inline="always")
+def _dec_iq3_s(b, o, w64, sc):
+    for j in range(8):
+        sc[j] = 1 + 2 * ((np.int32(b[o + 106 + j // 2]) >> (4 * (j & 1))) & 15)
+        qh = np.int64(b[o + 66 + j])
+        for l in range(4):
+            g1 = np.int64(b[o + 2 + 8 * j + 2 * l]) | ((qh << (8 - 2 * l)) & 256)
+            g2 = np.int64(b[o + 3 + 8 * j + 2 * l]) | ((qh << (7 - 2 * l)) & 256)
+            g = np.uint64(_G3S[g1]) | (np.uint64(_G3S[g2]) << np.uint64(32))
+            w64[4 * j + l] = _neg(g, _SMASK[b[o + 74 + 4 * j + l]])
+
+
+@njit(cache=True, inline="always")
+def _scales_iq4_xs(b, o, sc):
+    sh = u16(b, o + 2)
+    for j in range(8):
+        sc[j] = np.int32(((np.int64(b[o + 4 + j // 2]) >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32
+
+
+@njit(cache=True, inline="always")
+def _scales_q4_k(b, o, sc, mn):
+    for j in range(8):
+        s1, m1 = _scale_min_k4(j, b[o:o + 16])
+        sc[j] = np.int32(s1)
+        mn[j] = np.int32(m1)
+
+
+@njit(cache=True, inline="always")
+def _dec_q5_k(b, o, w8, sc, mn):
+    for c in range(4):
+        s1, m1 = _scale_min_k4(2 * c, b[o:o + 16])
+        s2, m2 = _scale_min_k4(2 * c + 1, b[o:o + 16])
+        sc[2 * c] = np.int32(s1)
+        sc[2 * c + 1] = np.int32(s2)
+        mn[2 * c] = np.int32(m1)
+        mn[2 * c + 1] = np.int32(m2)
+        for l in range(32):
+            q = b[o + 48 + 32 * c + l]
+            h = b[o + 16 + l] >> np.uint8(2 * c)
+            w8[64 * c + l] = np.int8((q & 15) | ((h & 1) << 4))
+            w8[64 * c + 32 + l] = np.int8((q >> 4) | ((h & 2) << 3))
+
+
+@njit(cache=True, inline="always")
+def _dec_q6_k(b, o, w8, sc16):
+    for h in range(2):
+        for k in range(4):
+            lo = o + 64 * h + 32 * (k & 1)
+            nib = np.uint8(4 * (k >> 1))
+            hb = o + 128 + 32 * h
+            sh = np.uint8(2 * k)
+            for l in range(32):
+                q = ((b[lo + l] >> nib) & 15) | (((b[hb + l] >> sh) & 3) << 4)
+                w8[128 * h + 32 * k + l] = np.int8(np.int32(q) - 32)
+            # 16 values per scale: sub-block 4h + k's halves, in _dot_halves' order
+            sc16[4 * h + k] = np.int32(np.int8(b[o + 192 + 8 * h + 2 * k]))
+            sc16[4 * h + k + 8] = np.int32(np.int8(b[o + 192 + 8 * h + 2 * k + 1]))
+
+
+@njit(cache=True)
+def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
+    """acc[k] = the row ``w`` (uint8, nb blocks) times activation row arow[k]."""
+    w8 = w64.view(np.int8)
+    frac = _FRACTION[code]
+    for k in range(nt):
+        acc[k] = _F32(0.0)
+    if code == _Q8_0 or code == _IQ4_NL or code == _Q2_0:
+        for bi in range(nb):
+            if code == _Q8_0:
+                o = 34 * bi
+                dw = fp16_at(w, o)
+                for i in range(32):
+                    w8[i] = np.int8(w[o + 2 + i])
+                nh = 1
+            elif code == _IQ4_NL:
+                o = 18 * bi
+                dw = fp16_at(w, o)
+                nh = 1
+            else:
+                o = 18 * bi
+                dw = fp16_at(w, o)
+                for l in range(16):
+                    q = w[o + 2 + l]
+                    for jj in range(4):
+                        w8[4 * l + jj] = np.int8(np.int32((q >> np.uint8(2 * jj)) & 3) - 1)
+                nh = 2
+            for k in range(nt):
+                r = arow[k]
+                a = acc[k]
+                for hh in range(nh):
+                    ab = nh * bi + hh
+                    if code == _IQ4_NL:
+                        s = dot_iq4(w, o + 2, xq[r], 32 * ab)
+                    else:
+                        s = dot32_s8(w8, 32 * hh, xq[r], 32 * ab)
+                    a = a + (dw * xd[r, ab]) * (_F32(s) * frac)
+                acc[k] = a
+        return
+    size = _BLOCK_BYTES[code]
+    for bi in range(nb):
+        o = size * bi
+        if code == _IQ2_XS:
+            _dec_iq2_xs(w, o, w64, sc)
+        elif code == _IQ2_S:
+            _dec_iq2_s(w, o, w64, sc)
+        elif code == _IQ3_XXS:
+            _dec_iq3_xxs(w, o, w64, sc)
+        elif code == _IQ3_S:
+            _dec_iq3_s(w, o, w64, sc)
+        elif code == _IQ4_XS:
+            _scales_iq4_xs(w, o, sc)
+        elif code == _Q4_K:
+            _scales_q4_k(w, o, sc, mn)
+        elif code == _Q5_K:
+            _dec_q5_k(w, o, w8, sc, mn)
+        else:
+            _dec_q6_k(w, o, w8, sc)
+        if code == _Q6_K:
+            dw = fp16_at(w, o + 208)
+        else:
+            dw = fp16_at(w, o)
+        for k in range(nt):
+            r = arow[k]
+            xo = 256 * bi
+            if code == _IQ2_XS or code == _IQ2_S or code == _Q6_K:
+                s = _dot_halves(w8, sc, xq[r], xo)
+            elif code == _IQ4_XS:
+                s = np.int64(0)
+                for j in range(8):
+                    s += np.int64(sc[j]) * dot_iq4(w, o + 8 + 16 * j, xq[r], xo + 32 * j)
+            elif code == _Q4_K:
+                s = np.int64(0)
+                for c in range(4):
+                    q = o + 16 + 32 * c
+                    s += (np.int64(sc[2 * c]) * dot32_lo4(w, q, xq[r], xo + 64 * c)
+                          + np.int64(sc[2 * c + 1]) * dot32_hi4(w, q, xq[r], xo + 64 * c + 32))
+            else:
+                s = _dot8(w8, sc, xq[r], xo)
+            dd = dw * xd[r, bi]
+            v = dd * (_F32(s) * frac)
+            if code == _Q4_K or code == _Q5_K:
+                m = np.int32(0)
+                for j in range(8):
+                    m += mn[j] * xs[r, 8 * bi + j]
+                v = v - (fp16_at(w, o + 2) * xd[r, bi]) * _F32(m)
+            acc[k] = acc[k] + v
+
+
+@njit(cache=True, inline="always")
+def _scratch():
+    return np.empty(32, np.uint64), np.empty(16, np.int32), np.empty(8, np.int32)
+
+
+@njit(cache=True, parallel=True)
+def _matvec(code, rows, nb, xq, xd, xs, out):
+    n_rows = rows.shape[0]
+    nt = xq.shape[0]
+    arow = np.arange(nt)
+    for r in prange(n_rows):
+        w64, sc, mn = _scratch()
+        acc = np.empty(nt, np.float32)
+        _row(code, rows[r], nb, xq, xd, xs, arow, nt, acc, w64, sc, mn)
+        for k in range(nt):
+            out[k, r] = acc[k]
+
+
+def matvec(rows: np.ndarray, qtype: GGMLType, acts) -> np.ndarray:
+    """Same contract as :func:`.reference.matvec_ref`."""
+    code = CODES[qtype]
+    xq = acts.qs
+    out = np.empty((acts.qs.shape[0], rows.shape[0]), np.float32)
+    nb = rows.shape[1] // _BLOCK_BYTES[code]
+    _matvec(code, np.ascontiguousarray(rows), nb, xq, acts.d, acts.sums, out)
+    return out
+
+
+@njit(cache=True, parallel=True)
+def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, ids, wts, out, chunk):
+    """The fused expert FFN (see the module docstring); arguments as
+    :func:`fle_engine.kernels.cpu_experts.expert_forward` unpacks them."""
+    n_t = x.shape[0]
+    pid, ptok, uexp, ustart, upairs = plan(ids)
+    n_p = ptok.shape[0]
+    n_u = uexp.shape[0]
+    # activations, once
+    gu_k = not (gu_code == _Q8_0 or gu_code == _IQ4_NL or gu_code == _Q2_0)
+    xd = np.empty((n_t, n_embd // (256 if gu_k else 32)), np.float32)
+    xq = np.empty((n_t, n_embd), np.int8)
+    xs = np.empty((n_t, n_embd // 32), np.int32)
+    tmp = np.empty(34, np.uint8)
+    for t in range(n_t):
+        quantize_row(x[t], gu_k, xd[t], xq[t], xs[t], tmp)
+    # gate and up rows of each distinct expert, for all its tokens
+    g = np.empty((n_p, n_ff), np.float32)
+    up = np.empty((n_p, n_ff), np.float32)
+    nbg = gu_rb // _BLOCK_BYTES[gu_code]
+    nch = (n_ff + chunk - 1) // chunk
+    for it in prange(n_u * nch):
+        ui = it // nch
+        c = it - ui * nch
+        e = uexp[ui]
+        p0 = ustart[ui]
+        nt = ustart[ui + 1] - p0
+        arow = np.empty(nt, np.int64)
+        for k in range(nt):
+            arow[k] = ptok[upairs[p0 + k]]
+        acc = np.empty(nt, np.float32)
+        w64, sc, mn = _scratch()
+        for r in range(c * chunk, min(n_ff, (c + 1) * chunk)):
+            _row(gu_code, buf[e, r * gu_rb:(r + 1) * gu_rb], nbg, xq, xd, xs, arow, nt, acc, w64, sc, mn)
+            for k in range(nt):
+                g[upairs[p0 + k], r] = acc[k]
+            o = (n_ff + r) * gu_rb
+            _row(gu_code, buf[e, o:o + gu_rb], nbg, xq, xd, xs, arow, nt, acc, w64, sc, mn)
+            for k in range(nt):
+                up[upairs[p0 + k], r] = acc[k]
+    # silu(gate) * up, quantized once per pair
+    down_k = not (down_code == _Q8_0 or down_code == _IQ4_NL or down_code == _Q2_0)
+    hd = np.empty((n_p, n_ff // (256 if down_k else 32)), np.float32)
+    hq = np.empty((n_p, n_ff), np.int8)
+    hs = np.empty((n_p, n_ff // 32), np.int32)
+    for p in prange(n_p):
+        h = np.empty(n_ff, np.float32)
+        silu_mul_row(g[p], up[p], h)
+        quantize_row(h, down_k, hd[p], hq[p], hs[p], np.empty(34, np.uint8))
+    # down rows
+    y = np.empty((n_p, n_embd), np.float32)
+    nbd = down_rb // _BLOCK_BYTES[down_code]
+    nch = (n_embd + chunk - 1) // chunk
+    for it in prange(n_u * nch):
+        ui = it // nch
+        c = it - ui * nch
+        e = uexp[ui]
+        p0 = ustart[ui]
+        nt = ustart[ui + 1] - p0
+        arow = upairs[p0:p0 + nt]
+        acc = np.empty(nt, np.float32)
+        w64, sc, mn = _scratch()
+        for r in range(c * chunk, min(n_embd, (c + 1) * chunk)):
+            o = down_off + r * down_rb
+            _row(down_code, buf[e, o:o + down_rb], nbd, hq, hd, hs, arow, nt, acc, w64, sc, mn)
+            for k in range(nt):
+                y[arow[k], r] = acc[k]
+    for t in prange(n_t):
+        weighted_sum(pid, wts, y, out, t)
