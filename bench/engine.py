@@ -143,13 +143,14 @@ def upstream_decode(exe: Path, model: Path, n_cpu_moe: int, n_gen: int, threads:
 # FLE
 
 
-def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: int = 0) -> dict:
+def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: int = 0,
+               miss_split: str = "gpu") -> dict:
     import torch
 
     from fle_engine.runtime import Engine
 
     eng = Engine(model, device="cuda", cache_budget=budget, ctx_size=max(512, n_gen + 8), profile_path="none",
-                 progress=False)
+                 progress=False, miss_split=miss_split)
     rng = np.random.default_rng(seed)
     n_vocab = eng.args.n_vocab
     first = int(rng.integers(n_vocab))
@@ -158,6 +159,8 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
     st0 = eng.cache.stats
     h0, r0, s0, a0, host0 = st0.hits, st0.requests, st0.steps, st0.admissions, st0.host_seconds
     launch0 = eng.stats.launch_seconds
+    sp = eng.split
+    cpu0, busy0 = (sp.cpu_experts, sp.busy_seconds) if sp is not None else (0, 0.0)
     mem0 = torch.cuda.memory_allocated()
     for _ in range(reps):
         feed = rng.integers(n_vocab, size=n_gen).tolist()
@@ -174,7 +177,11 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
                host_policy_ms_per_token=(st.host_seconds - host0) / max(1, steps) * 1e3,
                host_launch_ms_per_token=(eng.stats.launch_seconds - launch0) / max(1, steps) * 1e3,
                cache_bytes=eng.cache.budget_used, slots=sum(eng.cache.slots_per_layer.values()),
-               gpu_allocated=torch.cuda.memory_allocated(), gpu_allocated_before=mem0)
+               gpu_allocated=torch.cuda.memory_allocated(), gpu_allocated_before=mem0,
+               miss_split=miss_split, cpu_share=(sp.share / 256 if sp is not None else 0.0),
+               cpu_kernels=(sp.cpu.name if sp is not None else None),
+               cpu_misses_per_token=((sp.cpu_experts - cpu0) / max(1, steps) if sp is not None else 0.0),
+               cpu_busy_ms_per_token=((sp.busy_seconds - busy0) / max(1, steps) * 1e3 if sp is not None else 0.0))
     eng.close()
     del eng
     torch.cuda.empty_cache()
@@ -246,6 +253,8 @@ def main(argv=None) -> int:
     p.add_argument("-t", "--threads", type=int, default=16)
     p.add_argument("--no-all-gpu", action="store_true", help="skip the runs with every expert on the GPU")
     p.add_argument("--skip-upstream", action="store_true")
+    p.add_argument("--miss-split", default="gpu",
+                   help="FLE runs with these --miss-split settings (gpu, cpu, auto, a fraction), comma list")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--checks", action="store_true",
                    help="also: decode step cost at position 1,000 with 8,192 and 131,072 positions allocated, and "
@@ -290,14 +299,22 @@ def main(argv=None) -> int:
             row["upstream_tok_s"] = upstream_decode(exe, path, n_layer - gpu_layers, args.n_gen, args.threads,
                                                     args.reps)
             print(f"[{routing}] upstream -ncmoe {n_layer - gpu_layers}: {row['upstream_tok_s']:.1f} tok/s", flush=True)
-        row["fle"] = fle_decode(path, budget, args.n_gen, args.reps)
-        f = row["fle"]
-        print(f"[{routing}] FLE cache {budget / 2**30:.2f} GiB: {f['tok_s']:.1f} tok/s, hit rate {f['hit_rate']:.3f}, "
-              f"{f['misses_per_token']:.1f} misses/token, host {f['host_policy_ms_per_token']:.3f} ms/token policy "
-              f"+ {f['host_launch_ms_per_token']:.3f} launch", flush=True)
+        row["fle_split"] = {}
+        for split in args.miss_split.split(","):
+            f = row["fle_split"][split] = fle_decode(path, budget, args.n_gen, args.reps, miss_split=split)
+            print(f"[{routing}] FLE cache {budget / 2**30:.2f} GiB, misses {split} (CPU share {f['cpu_share']:.0%}, "
+                  f"{f['cpu_kernels']} kernels): {f['tok_s']:.1f} tok/s, hit rate {f['hit_rate']:.3f}, "
+                  f"{f['misses_per_token']:.1f} misses/token ({f['cpu_misses_per_token']:.1f} on the CPU, "
+                  f"{f['cpu_busy_ms_per_token']:.2f} ms/token CPU busy), host {f['host_policy_ms_per_token']:.3f} "
+                  f"ms/token policy + {f['host_launch_ms_per_token']:.3f} launch", flush=True)
+            if exe is not None:
+                f["ratio"] = f["tok_s"] / row["upstream_tok_s"]
+                print(f"[{routing}] ratio FLE (misses {split}) / upstream = {f['ratio']:.2f}", flush=True)
+        best = max(row["fle_split"], key=lambda k: row["fle_split"][k]["tok_s"])
+        row["fle"] = f = row["fle_split"][best]
         if exe is not None:
             row["ratio"] = f["tok_s"] / row["upstream_tok_s"]
-            print(f"[{routing}] ratio FLE / upstream = {row['ratio']:.2f}", flush=True)
+            print(f"[{routing}] best: misses {best}, ratio FLE / upstream = {row['ratio']:.2f}", flush=True)
         if not args.no_all_gpu and routing == args.routing.split(",")[0]:
             if exe is not None:
                 row["upstream_all_gpu_tok_s"] = upstream_decode(exe, path, 0, args.n_gen, args.threads, args.reps)

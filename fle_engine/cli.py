@@ -32,6 +32,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-profile", default="auto", metavar="FILE",
                    help="engine: expert usage profile, loaded at start and saved every 600 s and at exit; "
                         "auto (default): ~/.cache/fle/profiles/<model fingerprint>.json; none: no profile")
+    p.add_argument("--miss-split", default="auto", metavar="auto|cpu|gpu|FRACTION",
+                   help="engine: who computes the cache misses: the GPU reading host memory over PCIe (gpu), the "
+                        "CPU (cpu), or both at once with FRACTION of them on the CPU; auto (default): the share "
+                        "that the two bandwidths, measured at start, give")
+    p.add_argument("--cpu-kernels", default="auto", choices=("auto", "ggml", "numba", "reference"),
+                   help="engine: CPU expert kernels for the CPU's misses; auto (default): ggml's (from "
+                        "llama-cpp-python) when present, else FLE's numba kernels")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--mtp", action="store_true",
                    help="speculative decoding with the model's MTP head (inside the model file, or --mtp-head): "
@@ -218,7 +225,7 @@ def _generate_engine(args, tok, prompt, sampler) -> int:
         raise FleError(f"--ctx-size must be 0 (the model's own) or a number of tokens, got {ctx}")
     with Engine(args.model, device="cuda", cache_budget=args.cache_budget, ctx_size=ctx,
                 cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                profile_path=args.cache_profile) as eng:
+                profile_path=args.cache_profile, miss_split=args.miss_split, cpu_impl=args.cpu_kernels) as eng:
         n_predict = min(args.n_predict, eng.ctx_size - len(prompt))
         n, stopped = _print_tokens(eng.tokens(prompt, n_predict, stop=tok.eog_ids,
                                               sampler=None if args.temp <= 0 else sampler), tok, args.special)
@@ -235,7 +242,8 @@ def _serve(args) -> int:
     runtime = None
     if device == "cuda" and use_engine(args.model, args):
         runtime = dict(cache_budget=args.cache_budget, cache_type_k=args.cache_type_k,
-                       cache_type_v=args.cache_type_v, profile_path=args.cache_profile)
+                       cache_type_v=args.cache_type_v, profile_path=args.cache_profile,
+                       miss_split=args.miss_split, cpu_impl=args.cpu_kernels)
     return serve(args.model, host=args.host, port=args.port, ctx_size=args.ctx_size, device=device,
                  threads=args.threads, mtp=args.mtp, mtp_head=args.mtp_head, n_draft=args.draft_max,
                  alias=args.alias, runtime=runtime)

@@ -35,7 +35,7 @@ from ..layers import rope_table
 from ..loader import Weights
 from . import qwen3moe, qwen3next
 from .cache import ExpertCache
-from .split import SHARE_ONE, MissSplit, ReferenceCpuExperts, parse_split
+from .split import SHARE_ONE, MissSplit, cpu_experts, parse_split
 from .weights import HostExperts
 
 __all__ = ["Engine", "RunStats", "ARCHS", "KV_TYPES", "parse_budget"]
@@ -92,6 +92,7 @@ class Engine:
 
     def __init__(self, path, *, device="cuda", cache_budget="auto", ctx_size: int = 4096,
                  cache_type_k: str = "f16", cache_type_v: str = "f16", impl: str = "auto", miss_split="auto",
+                 cpu_impl: str = "auto",
                  profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
                  progress: bool = True, log=None):
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr))
@@ -107,6 +108,7 @@ class Engine:
                 raise FleError(f"{name} {want!r}: the engine keeps the KV cache as {', '.join(KV_TYPES)} "
                                f"(q8_0 is not implemented yet)")
         parse_split(miss_split)
+        self.cpu_impl = cpu_impl
         self.path = Path(path)
         t0 = time.perf_counter()
         gguf = GGUFModel.open(path)
@@ -205,7 +207,7 @@ class Engine:
         layers = [il for il in self.net.layouts if self.cache.slots_per_layer[il] < a.n_expert]
         if not layers:
             return
-        cpu = ReferenceCpuExperts(self.host, self.net.layouts)
+        cpu = cpu_experts(self.host, self.net.layouts, self.cpu_impl)
         if share == "auto":
             share = self._measure_split(cpu, layers[0]) if self.cuda else 0
         if share:

@@ -43,7 +43,7 @@ from fle_quant.errors import FleError
 
 from ..kernels.reference import dequantize_weights
 
-__all__ = ["SHARE_ONE", "cpu_count", "parse_split", "MissSplit", "ReferenceCpuExperts"]
+__all__ = ["SHARE_ONE", "cpu_count", "parse_split", "MissSplit", "ReferenceCpuExperts", "CpuExperts", "cpu_experts"]
 
 SHARE_ONE = 256
 
@@ -146,6 +146,42 @@ class ReferenceCpuExperts:
                                                                                          lay.down_row_bytes),
                                     lay.down_type)
             out += (float(w) * (dn @ h)).numpy()
+
+
+class CpuExperts:
+    """The CPU side's expert forward with the vectorised CPU kernels
+    (:mod:`fle_engine.kernels.cpu_experts`: ggml's dot products where
+    llama-cpp-python's library is present, FLE's numba kernels otherwise),
+    reading the host expert buffer in place."""
+
+    def __init__(self, host, layouts, impl: str = "auto"):
+        from ..kernels import cpu_experts as ce
+
+        self.host, self.layouts, self._ce = host, layouts, ce
+        if impl == "auto":
+            impl = "ggml" if "ggml" in ce.backends() else "numba"
+        for lay in layouts.values():
+            ce.pick(lay.gu_type, impl)
+            ce.pick(lay.down_type, impl)
+        self.impl = self.name = impl
+        self._views = {il: host.view(il).numpy() for il in layouts}
+        n = max(lay.n_embd for lay in layouts.values())
+        self._tmp = np.zeros((1, n), np.float32)
+
+    def ffn(self, il: int, experts, weights, x: np.ndarray, out: np.ndarray) -> None:
+        lay = self.layouts[il]
+        tmp = self._tmp[:, :lay.n_embd]
+        self._ce.expert_forward(self._views[il], lay, x.reshape(1, -1),
+                                np.asarray(experts, np.int64).reshape(1, -1),
+                                np.asarray(weights, np.float32).reshape(1, -1), out=tmp, impl=self.impl)
+        out += tmp[0]
+
+
+def cpu_experts(host, layouts, impl: str = "auto"):
+    """The CPU expert forward for ``impl``: "reference" or a kernel backend."""
+    if impl == "reference":
+        return ReferenceCpuExperts(host, layouts)
+    return CpuExperts(host, layouts, impl)
 
 
 # ---------------------------------------------------------------------------

@@ -344,7 +344,7 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
     hd = np.empty((n_p, n_ff // (256 if down_k else 32)), np.float32)
     hq = np.empty((n_p, n_ff), np.int8)
     hs = np.empty((n_p, n_ff // 32), np.int32)
-    for p in prange(n_p):
+    for p in range(n_p):      # serial: cheaper than another parallel region for a few rows
         h = np.empty(n_ff, np.float32)
         silu_mul_row(g[p], up[p], h)
         quantize_row(h, down_k, hd[p], hq[p], hs[p], np.empty(34, np.uint8))
@@ -366,5 +366,5 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
             _row(down_code, buf[e, o:o + down_rb], nbd, hq, hd, hs, arow, nt, acc, w64, sc, mn)
             for k in range(nt):
                 y[arow[k], r] = acc[k]
-    for t in prange(n_t):
+    for t in range(n_t):
         weighted_sum(pid, wts, y, out, t)

@@ -56,15 +56,21 @@ def _lib():
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
-        raise OSError("llama-cpp-python is not installed (pip install llama-cpp-python)")
     lib_dir = None
-    for loc in spec.submodule_search_locations:
-        if (Path(loc) / "lib").is_dir():
-            lib_dir = Path(loc) / "lib"
-    if lib_dir is None:
-        raise OSError("llama-cpp-python has no lib/ folder with ggml's libraries")
+    if os.environ.get("FLE_GGML_LIB_DIR"):
+        # a ggml build of one's own (e.g. -DGGML_NATIVE=ON for this CPU): libggml-base and libggml-cpu
+        lib_dir = Path(os.environ["FLE_GGML_LIB_DIR"])
+        if not lib_dir.is_dir():
+            raise OSError(f"FLE_GGML_LIB_DIR={lib_dir} is not a directory")
+    else:
+        spec = importlib.util.find_spec("llama_cpp")
+        if spec is None or not spec.submodule_search_locations:
+            raise OSError("llama-cpp-python is not installed (pip install llama-cpp-python)")
+        for loc in spec.submodule_search_locations:
+            if (Path(loc) / "lib").is_dir():
+                lib_dir = Path(loc) / "lib"
+        if lib_dir is None:
+            raise OSError("llama-cpp-python has no lib/ folder with ggml's libraries")
     import sys
 
     ext = ".dylib" if sys.platform == "darwin" else ".dll" if os.name == "nt" else ".so"
@@ -212,7 +218,8 @@ def _forward(buf, gu_vd, gu_ff, gu_qb, gu_rb, n_ff, d_vd, d_ff, d_qb, down_off, 
                 _call_vec_dot(gu_vd, n_embd, np.int64(g[p, r:].ctypes.data), wg, xa)
                 _call_vec_dot(gu_vd, n_embd, np.int64(up[p, r:].ctypes.data), wu, xa)
     hq = np.empty((n_p, d_qb), np.uint8)
-    for p in prange(n_p):
+    # serial: a few rows of work, cheaper than waking the pool for another parallel region
+    for p in range(n_p):
         h = np.empty(n_ff, np.float32)
         silu_mul_row(g[p], up[p], h)
         _call_from_float(d_ff, np.int64(h.ctypes.data), np.int64(hq[p:].ctypes.data), np.int64(n_ff))
@@ -229,7 +236,7 @@ def _forward(buf, gu_vd, gu_ff, gu_qb, gu_rb, n_ff, d_vd, d_ff, d_qb, down_off, 
             for k in range(nt):
                 p = upairs[p0 + k]
                 _call_vec_dot(d_vd, n_ff, np.int64(y[p, r:].ctypes.data), w, np.int64(hq[p:].ctypes.data))
-    for t in prange(n_t):
+    for t in range(n_t):
         weighted_sum(pid, wts, y, out, t)
 
 
