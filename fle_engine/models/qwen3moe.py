@@ -164,6 +164,13 @@ class Block(nn.Module):
         x = x + self.attn(L.rms_norm(x, self.attn_norm, self.eps), cache, positions, cos, sin)
         return x + self.moe(L.rms_norm(x, self.ffn_norm, self.eps))
 
+    def forward_batch(self, x: Tensor, sizes: list[int], caches: list, rots: list) -> Tensor:
+        """Several sequences' tokens ``x`` (concatenated, ``sizes`` each):
+        attention per sequence against its own cache, the MoE on all at once."""
+        h = L.rms_norm(x, self.attn_norm, self.eps).split(sizes)
+        x = x + torch.cat([self.attn(hi, c, *r) for hi, c, r in zip(h, caches, rots)])
+        return x + self.moe.forward_batch(L.rms_norm(x, self.ffn_norm, self.eps))
+
 
 class Transformer(nn.Module):
     """Embedding -> blocks -> RMSNorm -> head. Architectures with the same
@@ -217,6 +224,25 @@ class Transformer(nn.Module):
         if state.mtp is not None:
             state.mtp.push(h, tokens)
         return logits
+
+    def forward_batch(self, tokens: list[Tensor], states: list[L.State]) -> list[Tensor]:
+        """``forward`` of several sequences in one pass: ``tokens[i]`` appended
+        to ``states[i]``; the token-wise work (embedding, MoE, head) runs on
+        all tokens together. Returns each sequence's logits."""
+        sizes = [t.shape[0] for t in tokens]
+        rots = [advance(s, n) for s, n in zip(states, sizes)]
+        x = F.embedding(torch.cat(tokens), self.tok_embd)
+        for il, layer in enumerate(self.layers):
+            x = layer.forward_batch(x, sizes, [s.layers[il] for s in states], rots)
+        h = L.rms_norm(x, self.output_norm, self.args.eps)
+        logits = F.linear(h, self.output)
+        out = []
+        for s, t, hs, lg in zip(states, tokens, h.split(sizes), logits.split(sizes)):
+            s.hidden, s.last_tokens, s.last_logits = hs, t, lg
+            if s.mtp is not None:
+                s.mtp.push(hs, t)
+            out.append(lg)
+        return out
 
 
 def new_state(max_tokens: int, caches: list, n_rot: int, base: float, freq_scale: float,

@@ -190,6 +190,16 @@ class Block(nn.Module):
             x = x + self.mixer(h, cache, positions, cos, sin)
         return x + self.moe(L.rms_norm(x, self.post_norm, self.eps))
 
+    def forward_batch(self, x: Tensor, sizes: list[int], caches: list, rots: list) -> Tensor:
+        """See :meth:`.qwen3moe.Block.forward_batch`: the mixer per sequence."""
+        h = L.rms_norm(x, self.attn_norm, self.eps).split(sizes)
+        if self.recurrent:
+            outs = [self.mixer(hi, c) for hi, c in zip(h, caches)]
+        else:
+            outs = [self.mixer(hi, c, *r) for hi, c, r in zip(h, caches, rots)]
+        x = x + torch.cat(outs)
+        return x + self.moe.forward_batch(L.rms_norm(x, self.post_norm, self.eps))
+
 
 class Transformer(qwen3moe.Transformer):
     Args = ModelArgs

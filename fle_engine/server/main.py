@@ -13,8 +13,8 @@ from fle_quant.errors import FleError
 from .http import create_app
 from .slots import Engine, default_ctx_size
 
-async def _listen(engine: Engine, host: str, port: int, log: TextIO) -> None:
-    app = create_app(engine)
+async def _listen(engine: Engine, host: str, port: int, log: TextIO, api_key: str | None = None) -> None:
+    app = create_app(engine, api_key)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     try:
@@ -27,7 +27,8 @@ async def _listen(engine: Engine, host: str, port: int, log: TextIO) -> None:
         addr = runner.addresses[0]
         shown = f"[{addr[0]}]" if ":" in str(addr[0]) else str(addr[0])
         print(f"fle-engine: listening on http://{shown}:{addr[1]} (model {engine.name!r}, context {engine.n_ctx} "
-              f"tokens{', MTP drafts' if engine.mtp else ''})", file=log, flush=True)
+              f"tokens, {engine.n_parallel} slots of {engine.n_ctx_slot}{', MTP drafts' if engine.mtp else ''}"
+              f"{f', prompt cache {engine.cache.limit >> 20} MiB' if engine.cache.enabled else ''})", file=log, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -43,7 +44,9 @@ async def _listen(engine: Engine, host: str, port: int, log: TextIO) -> None:
 
 def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_size: int | None = None,
           device: str = "cpu", threads: int | None = None, mtp: bool = False, mtp_head: str | None = None,
-          n_draft: int = 2, alias: str | None = None, log: TextIO = sys.stderr, runtime: dict | None = None) -> int:
+          n_draft: int = 2, alias: str | None = None, log: TextIO = sys.stderr, runtime: dict | None = None,
+          n_parallel: int = 2, cache_ram: float = 0, slot_save_path: str | None = None,
+          api_key: str | None = None) -> int:
     """Load ``model_path`` and serve it until SIGINT or SIGTERM; with
     ``runtime`` (the engine's options) on the GPU engine."""
     import os
@@ -55,6 +58,12 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
     from ..loader import load
     from ..tokenizer import Tokenizer
 
+    if n_parallel < 1:
+        raise FleError(f"--parallel must be at least 1, got {n_parallel}")
+    if cache_ram < 0:
+        raise FleError(f"--cache-ram must be 0 (off) or a size in MiB, got {cache_ram}")
+    if slot_save_path:
+        os.makedirs(slot_save_path, exist_ok=True)
     if not 0 <= port <= 65535:
         raise FleError(f"--port must lie in 0..65535, got {port}")
     if ctx_size is not None and ctx_size < 0:
@@ -88,9 +97,10 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
         model.net.load_mtp(mtp_head)
         mtp = True
     name = alias or os.path.basename(str(model_path))
-    engine = Engine(model, tok, n_ctx=n_ctx, name=name, n_ctx_train=n_ctx_train, mtp=mtp, n_draft=n_draft, log=log)
+    engine = Engine(model, tok, n_ctx=n_ctx, name=name, n_ctx_train=n_ctx_train, mtp=mtp, n_draft=n_draft, log=log,
+                    n_parallel=n_parallel, cache_ram_mib=cache_ram, slot_save_path=slot_save_path)
     try:
-        asyncio.run(_listen(engine, host, port, log))
+        asyncio.run(_listen(engine, host, port, log, api_key))
     finally:
         if runtime is not None:
             model.close()            # saves the expert cache's usage profile
