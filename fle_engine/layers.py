@@ -78,6 +78,16 @@ class AttnCache:
     v: Tensor
 
 
+def live_view(cache, n: int):
+    """``cache`` cut to its first ``n`` positions (views: writes land in the
+    cache), for a host-driven step that knows the sequence's length: the
+    attention then reads ``n`` positions instead of all ``P``. Other layer
+    states come back as they are."""
+    if type(cache) is AttnCache and n < cache.k.shape[1]:
+        return AttnCache(cache.k[:, :n], cache.v[:, :n])
+    return cache
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, cache: AttnCache, positions: Tensor, scale: float) -> Tensor:
     """Causal GQA attention of T new tokens against the cache.
 
