@@ -630,7 +630,8 @@ def test_cli_serve_help_and_errors(model_path, tmp_path, capsys):
         engine_main(["serve", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for opt in ("--host", "--port", "--ctx-size", "--device", "--threads", "--mtp", "--mtp-head", "--alias"):
+    for opt in ("--host", "--port", "--ctx-size", "--device", "--threads", "--mtp", "--mtp-head", "--alias",
+                "--parallel", "--cache-ram", "--slot-save-path", "--api-key"):
         assert opt in out
     bad = [
         ["serve", str(tmp_path / "missing.gguf")],
@@ -638,6 +639,8 @@ def test_cli_serve_help_and_errors(model_path, tmp_path, capsys):
         ["serve", str(model_path), "--ctx-size", "-1"],
         ["serve", str(model_path), "--threads", "0"],
         ["serve", str(model_path), "--mtp"],            # the factory qwen3moe has no MTP head
+        ["serve", str(model_path), "-np", "0"],
+        ["serve", str(model_path), "--cache-ram", "-5"],
     ]
     for argv in bad:
         assert engine_main(argv) == 2, argv

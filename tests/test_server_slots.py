@@ -295,3 +295,50 @@ def test_slot_save_restore_erase(factory, tmp_path):
     assert r2["content"] == tok.decode(cold(m, tok, follow, 3))
     assert bad == missing == 400
     assert slots[0]["n_cached_tokens"] == 0 and slots[1]["n_cached_tokens"] > n_held
+
+
+def test_mixed_load_no_leaks_no_errors(factory):
+    """16 clients over 2 slots, each with its own canary conversation, with
+    disconnects, malformed JSON and oversize prompts mixed in: every proper
+    request is answered with its own conversation's cold-run text."""
+    m, tok = factory["qwen3moe"]
+    eng = Engine(m, tok, n_ctx=512, name="t", n_parallel=2, cache_ram_mib=32)
+    convs = [f"canary {i}: " + " ".join(["river", "stone", "cloud", "lamp"][(i + k) % 4] for k in range(6))
+             for i in range(16)]
+    wants = [tok.decode(cold(m, tok, tok.encode(c, add_special=True, parse_special=True), 8, ignore_eos=True))
+             for c in convs]
+
+    async def fn(client):
+        bad = {"errors": 0, "leaks": 0, "answered": 0, "refused": 0}
+
+        async def good(i):
+            for turn in range(2):
+                r = await client.post("/completion", json={"prompt": convs[i], "n_predict": 8, "temperature": 0,
+                                                           "ignore_eos": True})
+                if r.status != 200:
+                    bad["errors"] += 1
+                    continue
+                j = await r.json()
+                bad["answered"] += 1
+                bad["leaks"] += j["content"] != wants[i]
+
+        async def gone(i):
+            r = await client.post("/v1/completions", json={"prompt": convs[i], "max_tokens": 100, "stream": True,
+                                                           "ignore_eos": True})
+            await r.content.readany()
+            r.close()
+
+        async def malformed():
+            for data in (b"{nope", b"[]"):
+                r = await client.post("/v1/completions", data=data, headers={"Content-Type": "application/json"})
+                bad["refused"] += r.status == 400
+            r = await client.post("/v1/completions", json={"prompt": list(range(10, 400))})
+            bad["refused"] += r.status == 400
+
+        await asyncio.gather(*[good(i) for i in range(16)], *[gone(i) for i in range(4)], malformed())
+        health = await client.get("/health")
+        return bad, health.status
+
+    bad, health = call(eng, fn)
+    assert bad == {"errors": 0, "leaks": 0, "answered": 32, "refused": 3}
+    assert health == 200
