@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
                     "/v1/chat/completions, with llama-server's request fields and defaults (temperature 0.8, "
                     "top_k 40, top_p 0.95, min_p 0.05; max_tokens until end of generation or the end of the "
                     "context), streaming as server-sent events, and a chat answer's <think> part in "
-                    "reasoning_content. One sequence at a time; further requests wait.",
+                    "reasoning_content, tool calls, structured output, a RAM prompt cache and parallel slots.",
     )
     s.add_argument("model", help="GGUF model (any shard of a split model)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -94,6 +94,16 @@ def _parser() -> argparse.ArgumentParser:
     _add_run_options(s)
     s.add_argument("-a", "--alias", default=None, metavar="NAME",
                    help="model name in responses and /v1/models (default: the file name)")
+    s.add_argument("-np", "--parallel", type=int, default=2, dest="parallel", metavar="N",
+                   help="slots: sequences served at once, each with its own state; they share --ctx-size "
+                        "(each gets ctx-size / N) (default: 2)")
+    s.add_argument("--cache-ram", type=float, default=0, dest="cache_ram", metavar="MiB",
+                   help="RAM prompt cache: finished sequences' states kept up to this many MiB, least recently "
+                        "used out first; 0 = off (default: 0)")
+    s.add_argument("--slot-save-path", default=None, dest="slot_save_path", metavar="DIR",
+                   help="folder for POST /slots/{id}?action=save|restore")
+    s.add_argument("--api-key", default=None, dest="api_key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     return p
 
 
@@ -246,7 +256,8 @@ def _serve(args) -> int:
                        miss_split=args.miss_split, cpu_impl=args.cpu_kernels)
     return serve(args.model, host=args.host, port=args.port, ctx_size=args.ctx_size, device=device,
                  threads=args.threads, mtp=args.mtp, mtp_head=args.mtp_head, n_draft=args.draft_max,
-                 alias=args.alias, runtime=runtime)
+                 alias=args.alias, runtime=runtime, n_parallel=args.parallel, cache_ram=args.cache_ram,
+                 slot_save_path=args.slot_save_path, api_key=args.api_key)
 
 
 @cli_entry("fle-engine")

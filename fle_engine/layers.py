@@ -78,6 +78,16 @@ class AttnCache:
     v: Tensor
 
 
+def live_view(cache, n: int):
+    """``cache`` cut to its first ``n`` positions (views: writes land in the
+    cache), for a host-driven step that knows the sequence's length: the
+    attention then reads ``n`` positions instead of all ``P``. Other layer
+    states come back as they are."""
+    if type(cache) is AttnCache and n < cache.k.shape[1]:
+        return AttnCache(cache.k[:, :n], cache.v[:, :n])
+    return cache
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, cache: AttnCache, positions: Tensor, scale: float) -> Tensor:
     """Causal GQA attention of T new tokens against the cache.
 
@@ -236,6 +246,27 @@ class MoE(nn.Module):
         for e, pairs in zip(uniq.tolist(), torch.split(order, counts.tolist())):
             y[pairs] = swiglu(x[pairs // k], self.gate_exps.get(e), self.up_exps.get(e), self.down_exps.get(e))
         return y.view(n_tok, k, x.shape[1])
+
+    def forward_batch(self, x: Tensor) -> Tensor:
+        """The MoE of several sequences' tokens together (a batched decode
+        step, or a prefill chunk): each routed expert is visited once, with
+        the tokens routed to it, instead of a weight copy per token. A
+        streamed or cached expert store, a mode other than auto, or a capture
+        take :meth:`forward`."""
+        if self.streamed or self.store is not None or self.mode != "auto" or self.capture is not None:
+            return self.forward(x)
+        _, experts, weights = self.route(x)
+        n_tok, k = experts.shape
+        y = x.new_empty(n_tok * k, x.shape[1])
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)                        # (token, slot) pairs grouped by expert
+        uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        for e, pairs in zip(uniq.tolist(), torch.split(order, counts.tolist())):
+            y[pairs] = swiglu(x[pairs // k], self.gate_exps[e], self.up_exps[e], self.down_exps[e])
+        out = (weights.to(x.dtype)[:, :, None] * y.view(n_tok, k, x.shape[1])).sum(1)
+        if self.has_shared:
+            out = out + self.shared_expert(x)
+        return out
 
     def shared_expert(self, x: Tensor) -> Tensor:
         out = swiglu(x, self.shexp_gate, self.shexp_up, self.shexp_down)

@@ -155,6 +155,35 @@ class Model:
 
     __call__ = forward
 
+    def forward_batch(self, tokens: "Sequence[Sequence[int]]", states: Sequence[State]) -> list[Tensor]:
+        """``forward`` of several sequences at once: ``tokens[i]`` appended to
+        ``states[i]`` (distinct states), each one's logits ``[T_i, n_vocab]``.
+        The architectures run the token-wise work (embedding, MoE, head) on
+        all tokens together; one that cannot runs the sequences one by one."""
+        if len(tokens) != len(states):
+            raise FleError(f"forward_batch: {len(tokens)} token lists for {len(states)} states")
+        if len({id(s) for s in states}) != len(states):
+            raise FleError("forward_batch: a state appears twice")
+        batch = []
+        for toks, state in zip(tokens, states):
+            toks = [int(t) for t in toks]
+            self._check_ids(toks)
+            if not toks:
+                raise FleError("forward needs at least one token")
+            if state.length + len(toks) > state.max_tokens:
+                raise FleError(f"the state holds {state.max_tokens} positions; {state.length} are used and "
+                               f"{len(toks)} more do not fit; make the state with a larger max_tokens")
+            batch.append(torch.tensor(toks, dtype=torch.long, device=self.device))
+        run = getattr(self.net, "forward_batch", None)
+        with torch.inference_mode():
+            if run is None:
+                out = [self.net(t, s) for t, s in zip(batch, states)]
+            else:
+                out = run(batch, states)
+        for t, state in zip(batch, states):
+            state.length += t.shape[0]
+        return out
+
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         toks = [int(t) for t in tokens]
         if not toks:

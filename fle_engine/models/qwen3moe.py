@@ -149,6 +149,22 @@ class Attention(nn.Module):
         out = L.attention(q, k, v, cache, positions, a.head_dim ** -0.5)
         return F.linear(out, self.wo)
 
+    def forward_batch(self, x: Tensor, sizes: list[int], caches: list, rots: list) -> Tensor:
+        """Several sequences' tokens: projections, norms and rotary on all of
+        them at once, the attention itself per sequence against its cache."""
+        a = self.a
+        n_tok = x.shape[0]
+        cos = torch.cat([r[1] for r in rots])
+        sin = torch.cat([r[2] for r in rots])
+        q = F.linear(x, self.wq).view(n_tok, a.n_head, a.head_dim)
+        k = F.linear(x, self.wk).view(n_tok, a.n_head_kv, a.head_dim)
+        v = F.linear(x, self.wv).view(n_tok, a.n_head_kv, a.head_dim)
+        q = L.apply_rope_neox(L.rms_norm(q, self.q_norm, a.eps), cos, sin)
+        k = L.apply_rope_neox(L.rms_norm(k, self.k_norm, a.eps), cos, sin)
+        out = torch.cat([L.attention(qi, ki, vi, c, r[0], a.head_dim ** -0.5) for qi, ki, vi, c, r in
+                         zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, rots)])
+        return F.linear(out, self.wo)
+
 
 class Block(nn.Module):
     def __init__(self, w: Weights, il: int, a: ModelArgs):
@@ -163,6 +179,12 @@ class Block(nn.Module):
     def forward(self, x: Tensor, cache: L.AttnCache, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attn(L.rms_norm(x, self.attn_norm, self.eps), cache, positions, cos, sin)
         return x + self.moe(L.rms_norm(x, self.ffn_norm, self.eps))
+
+    def forward_batch(self, x: Tensor, sizes: list[int], caches: list, rots: list) -> Tensor:
+        """Several sequences' tokens ``x`` (concatenated, ``sizes`` each):
+        attention per sequence against its own cache, the MoE on all at once."""
+        x = x + self.attn.forward_batch(L.rms_norm(x, self.attn_norm, self.eps), sizes, caches, rots)
+        return x + self.moe.forward_batch(L.rms_norm(x, self.ffn_norm, self.eps))
 
 
 class Transformer(nn.Module):
@@ -217,6 +239,26 @@ class Transformer(nn.Module):
         if state.mtp is not None:
             state.mtp.push(h, tokens)
         return logits
+
+    def forward_batch(self, tokens: list[Tensor], states: list[L.State]) -> list[Tensor]:
+        """``forward`` of several sequences in one pass: ``tokens[i]`` appended
+        to ``states[i]``; the token-wise work (embedding, MoE, head) runs on
+        all tokens together. Returns each sequence's logits."""
+        sizes = [t.shape[0] for t in tokens]
+        rots = [advance(s, n) for s, n in zip(states, sizes)]
+        x = F.embedding(torch.cat(tokens), self.tok_embd)
+        ends = [s.length + n for s, n in zip(states, sizes)]      # each sequence's length after this step
+        for il, layer in enumerate(self.layers):
+            x = layer.forward_batch(x, sizes, [L.live_view(s.layers[il], e) for s, e in zip(states, ends)], rots)
+        h = L.rms_norm(x, self.output_norm, self.args.eps)
+        logits = F.linear(h, self.output)
+        out = []
+        for s, t, hs, lg in zip(states, tokens, h.split(sizes), logits.split(sizes)):
+            s.hidden, s.last_tokens, s.last_logits = hs, t, lg
+            if s.mtp is not None:
+                s.mtp.push(hs, t)
+            out.append(lg)
+        return out
 
 
 def new_state(max_tokens: int, caches: list, n_rot: int, base: float, freq_scale: float,

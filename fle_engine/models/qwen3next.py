@@ -111,6 +111,22 @@ class GatedAttention(nn.Module):
         out = out * torch.sigmoid(gate.reshape(n_tok, a.n_head * hd))
         return F.linear(out, self.wo)
 
+    def forward_batch(self, x: Tensor, sizes: list[int], caches: list, rots: list) -> Tensor:
+        """Several sequences: projections and rotary on all tokens, attention per sequence."""
+        a = self.a
+        n_tok, hd = x.shape[0], a.head_dim
+        cos, sin = torch.cat([r[1] for r in rots]), torch.cat([r[2] for r in rots])
+        qg = F.linear(x, self.wq).view(n_tok, a.n_head, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:]
+        k = F.linear(x, self.wk).view(n_tok, a.n_head_kv, hd)
+        v = F.linear(x, self.wv).view(n_tok, a.n_head_kv, hd)
+        q = L.apply_rope_neox(L.rms_norm(q, self.q_norm, a.eps), cos, sin)
+        k = L.apply_rope_neox(L.rms_norm(k, self.k_norm, a.eps), cos, sin)
+        out = torch.cat([L.attention(qi, ki, vi, c, r[0], a.attn_scale) for qi, ki, vi, c, r in
+                         zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, rots)])
+        out = out * torch.sigmoid(gate.reshape(n_tok, a.n_head * hd))
+        return F.linear(out, self.wo)
+
 
 class GatedDeltaNet(nn.Module):
     """One GDN mixer. Chunked delta rule when a call brings more than one
@@ -169,6 +185,33 @@ class GatedDeltaNet(nn.Module):
         o = L.rms_norm(o.to(x.dtype), self.norm, a.eps) * F.silu(z)
         return F.linear(o.reshape(n_tok, nv * dk), self.wout)
 
+    def forward_batch(self, x: Tensor, sizes: list[int], states: list) -> Tensor:
+        """Several sequences: the projections, norm and output on all tokens
+        at once, the conv and the delta rule per sequence (its carried state)."""
+        a = self.a
+        n_tok, dk, nk, nv = x.shape[0], a.d_state, a.n_k_heads, a.n_v_heads
+        qkv_all = F.linear(x, self.wqkv)
+        z = F.linear(x, self.wz).view(n_tok, nv, dk)
+        beta_all = torch.sigmoid(F.linear(x, self.wb))
+        g_all = F.softplus(F.linear(x, self.wa) + self.dt_bias) * self.ssm_a
+        outs = []
+        for qkv, beta, g, state in zip(qkv_all.split(sizes), beta_all.split(sizes), g_all.split(sizes), states):
+            n = qkv.shape[0]
+            conv, new_conv = L.causal_conv1d(qkv, state.conv, self.conv)
+            state.conv.copy_(new_conv)
+            conv = F.silu(conv)
+            q = conv[:, :dk * nk].view(n, nk, dk)
+            k = conv[:, dk * nk:2 * dk * nk].view(n, nk, dk)
+            v = conv[:, 2 * dk * nk:].view(n, nv, dk)
+            q = L.l2_norm(q, a.eps)[:, :, None].expand(n, nk, nv // nk, dk).reshape(n, nv, dk)
+            k = L.l2_norm(k, a.eps)[:, :, None].expand(n, nk, nv // nk, dk).reshape(n, nv, dk)
+            rule = L.gdn_recurrent if n == 1 else L.gdn_chunked
+            o, s = rule(q, k, v, g, beta, state.ssm)
+            state.ssm.copy_(s)
+            outs.append(o.to(x.dtype))
+        o = L.rms_norm(torch.cat(outs), self.norm, a.eps) * F.silu(z)
+        return F.linear(o.reshape(n_tok, nv * dk), self.wout)
+
 
 class Block(nn.Module):
     def __init__(self, w: Weights, il: int, a: ModelArgs):
@@ -189,6 +232,15 @@ class Block(nn.Module):
         else:
             x = x + self.mixer(h, cache, positions, cos, sin)
         return x + self.moe(L.rms_norm(x, self.post_norm, self.eps))
+
+    def forward_batch(self, x: Tensor, sizes: list[int], caches: list, rots: list) -> Tensor:
+        """See :meth:`.qwen3moe.Block.forward_batch`: the mixer per sequence."""
+        h = L.rms_norm(x, self.attn_norm, self.eps)
+        if self.recurrent:
+            x = x + self.mixer.forward_batch(h, sizes, caches)
+        else:
+            x = x + self.mixer.forward_batch(h, sizes, caches, rots)
+        return x + self.moe.forward_batch(L.rms_norm(x, self.post_norm, self.eps))
 
 
 class Transformer(qwen3moe.Transformer):

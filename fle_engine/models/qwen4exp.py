@@ -484,6 +484,22 @@ class Block(nn.Module):
         x, inject = self.hc_ffn(res)
         return hc_write(res, self.moe(x), inject, self.plain_write)
 
+    def forward_batch(self, res: Tensor, sizes: list[int], tokens: list[Tensor], caches: list,
+                      states: list[State], rots: list) -> Tensor:
+        """Several sequences' tokens at once: PLE and the mixer per sequence
+        (their carried state), the hyper-connections and the MoE on all."""
+        if self.ple is not None and not self.skip_ple:
+            res = torch.cat([self.ple(r, t, s.ple) for r, t, s in zip(res.split(sizes), tokens, states)])
+        x, inject = self.hc_attn(res)
+        xs = x.split(sizes)
+        if self.recurrent:
+            outs = [self.mixer(xi, c) for xi, c in zip(xs, caches)]
+        else:
+            outs = [self.mixer(xi, c, *r, s.rope_cos, s.rope_sin) for xi, c, r, s in zip(xs, caches, rots, states)]
+        res = hc_write(res, torch.cat(outs), inject, self.plain_write)
+        x, inject = self.hc_ffn(res)
+        return hc_write(res, self.moe.forward_batch(x), inject, self.plain_write)
+
 
 class Transformer(nn.Module):
     def __init__(self, w: Weights, a: ModelArgs):
@@ -588,3 +604,21 @@ class Transformer(nn.Module):
         if state.mtp is not None:
             state.mtp.push(res, tokens)
         return logits
+
+    def forward_batch(self, tokens: list[Tensor], states: list[State]) -> list[Tensor]:
+        """``forward`` of several sequences in one pass (see
+        :meth:`.qwen3moe.Transformer.forward_batch`)."""
+        sizes = [t.shape[0] for t in tokens]
+        rots = [advance(s, n) for s, n in zip(states, sizes)]
+        x = F.embedding(torch.cat(tokens), self.tok_embd)
+        res = x[:, None, :].expand(-1, self.args.hc, -1).contiguous()
+        for il, layer in enumerate(self.layers):
+            res = layer.forward_batch(res, sizes, tokens, [s.layers[il] for s in states], states, rots)
+        logits = self.head(res)
+        out = []
+        for s, t, r, lg in zip(states, tokens, res.split(sizes), logits.split(sizes)):
+            s.hidden, s.last_tokens, s.last_logits = r, t, lg
+            if s.mtp is not None:
+                s.mtp.push(r, t)
+            out.append(lg)
+        return out

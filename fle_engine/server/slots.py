@@ -1,0 +1,685 @@
+"""The engine side of the server: one loaded model, its slots and the
+scheduler that decodes them.
+
+``Engine`` owns ``n_parallel`` slots, each a sequence with its own state
+and the tokens that state holds. The context (``n_ctx``) is shared as
+llama-server shares it with ``--parallel N``: each slot gets
+``n_ctx / N`` positions. A request (a :class:`Job`) goes to the slot it
+names (``id_slot``) or to the idle slot whose held tokens (or the RAM
+prompt cache's) serve most of its prompt, the least recently used one on a
+tie; a request naming a busy slot waits until that slot is free, and
+nothing touches a busy slot's state.
+
+One worker thread runs rounds: each active slot advances by one prompt
+chunk or one token per round, and on the reference path all of a round's
+sequences go through the model in one batched forward
+(``Model.forward_batch``). With MTP drafts or the GPU engine, each slot
+runs its own token generator; the GPU engine serves one slot at a time.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import threading
+import time
+import traceback
+import sys
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, TextIO
+
+import numpy as np
+import torch
+
+from fle_quant.errors import FleError
+
+from ..sampling import Sampler, SamplerParams, generate_tokens
+from ..speculative import SpecStats, generate_speculative
+from . import cache as C
+from .text import StopScanner
+
+CTX_CAP = 8192          # default context: the model's own, at most this many tokens
+N_BATCH = 512           # prompt tokens per slot per round
+
+
+@dataclass
+class Penalties:
+    """llama.cpp's repetition penalties over the last ``last_n`` tokens
+    (prompt and answer; -1 = the whole context, 0 = off)."""
+    repeat: float = 1.0
+    last_n: int = 64
+    presence: float = 0.0
+    frequency: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.last_n != 0 and (self.repeat != 1.0 or self.presence != 0.0 or self.frequency != 0.0)
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    n_predict: int
+    params: SamplerParams
+    stop: list[str] = field(default_factory=list)
+    id_slot: int = -1
+    cache_prompt: bool = True
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    penalties: Penalties = field(default_factory=Penalties)
+    probs: bool = False                 # record each sampled token's log-probability
+    n_probs: int = 0                    # and this many top alternatives
+    constraint: object = None           # a grammar matcher (see .grammar): masks logits, takes tokens
+
+
+@dataclass
+class TokenProb:
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Result:
+    text: str
+    finish_reason: str          # "stop" (end of generation or a stop string), "length", or "abort" (shutdown)
+    n_prompt: int
+    n_generated: int            # sampled tokens, the end-of-generation token included
+    cancelled: bool = False
+    stop_word: str | None = None
+    prompt_ms: float = 0.0
+    predicted_ms: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    n_cached: int = 0           # prompt tokens served from a slot or the prompt cache, not recomputed
+    id_slot: int = -1
+    probs: list[TokenProb] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    def timings(self) -> dict:
+        n_new = self.n_prompt - self.n_cached
+        t = {
+            "cache_n": self.n_cached,
+            "prompt_n": n_new,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / n_new if n_new else 0.0,
+            "prompt_per_second": 1e3 * n_new / self.prompt_ms if self.prompt_ms > 0 else 0.0,
+            "predicted_n": self.n_generated,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / self.n_generated if self.n_generated else 0.0,
+            "predicted_per_second": 1e3 * self.n_generated / self.predicted_ms if self.predicted_ms > 0 else 0.0,
+        }
+        if self.drafted:
+            t["draft_n"], t["draft_n_accepted"] = self.drafted, self.accepted
+        return t
+
+    def usage(self) -> dict:
+        return {"completion_tokens": self.n_generated, "prompt_tokens": self.n_prompt,
+                "total_tokens": self.n_prompt + self.n_generated,
+                "prompt_tokens_details": {"cached_tokens": self.n_cached}}
+
+
+class Emit:
+    """What the scheduler hands to a request as text is released: the text
+    and the token probabilities recorded since the last piece."""
+
+    def __init__(self, fn: Callable[[str, list[TokenProb]], None]):
+        self.fn = fn
+
+
+@dataclass
+class _Task:
+    job: Job | None
+    cancel: threading.Event
+    emit: Callable[[str, list], None]
+    future: Future
+    action: tuple | None = None          # (name, arg) for slot save / restore / erase
+    slot: "Slot | None" = None
+    # decoding
+    sampler: Sampler | None = None
+    decoder: object = None
+    scan: StopScanner | None = None
+    pieces: list[str] = field(default_factory=list)
+    probs: list[TokenProb] = field(default_factory=list)
+    unsent: list[TokenProb] = field(default_factory=list)
+    out_tokens: list[int] = field(default_factory=list)
+    pos: int = 0                          # prompt tokens consumed
+    n_cached: int = 0
+    next_token: int | None = None
+    gen: object = None                    # a token generator (MTP / GPU engine)
+    spec: SpecStats | None = None
+    history: list[int] = field(default_factory=list)
+    t0: float = 0.0
+    t_first: float | None = None
+    done: bool = False
+
+
+class Slot:
+    def __init__(self, sid: int, n_ctx: int):
+        self.id, self.n_ctx = sid, n_ctx
+        self.state = None
+        self.tokens: list[int] = []      # what ``state`` holds
+        self.logits = None               # the logits after the last of ``tokens``
+        self.task: _Task | None = None
+        self.t_last = 0.0
+        self.n_decoded = 0
+        self.cacheable = True            # the held tokens came from a request that allows caching
+
+    @property
+    def busy(self) -> bool:
+        return self.task is not None
+
+
+class Engine:
+    """A loaded model and its tokenizer, serving ``n_parallel`` slots.
+
+    ``submit(job, cancel, emit)`` queues a request and returns a Future of
+    its :class:`Result`; ``run`` is the blocking form. ``emit(text, probs)``
+    is called from the worker thread as text is released."""
+
+    def __init__(self, model, tokenizer, *, n_ctx: int, name: str, n_ctx_train: int | None = None,
+                 mtp: bool = False, n_draft: int = 2, log: TextIO | None = None, n_parallel: int = 1,
+                 cache_ram_mib: float = 0, slot_save_path: str | None = None):
+        if n_parallel < 1:
+            raise FleError(f"--parallel must be at least 1, got {n_parallel}")
+        if n_ctx < 2 * n_parallel:
+            raise FleError(f"the context size must be at least 2 tokens per slot, got {n_ctx} for {n_parallel} "
+                           "slots")
+        if mtp and getattr(model.net, "mtp", None) is None:
+            raise FleError(f"{model.path}: no MTP head loaded; --mtp needs a model file with the MTP block "
+                           "inside, or --mtp-head FILE")
+        if n_draft < 1:
+            raise FleError(f"--draft-max must be at least 1, got {n_draft}")
+        if cache_ram_mib < 0:
+            raise FleError(f"--cache-ram must be 0 (off) or a size in MiB, got {cache_ram_mib}")
+        self.model, self.tok = model, tokenizer
+        self.n_ctx, self.name, self.n_ctx_train, self.mtp, self.log = n_ctx, name, n_ctx_train, mtp, log
+        self.n_draft = n_draft
+        self.n_parallel = n_parallel
+        self.created = int(time.time())
+        self.runtime = bool(getattr(model, "runtime", False))
+        # the GPU engine holds one sequence of the whole context; the reference path splits it
+        self.n_ctx_slot = n_ctx if self.runtime else n_ctx // n_parallel
+        # the reference path steps the slots itself; MTP and the GPU engine run token generators
+        self.stepped = not (mtp or self.runtime)
+        self.cache = C.PromptCache(int(cache_ram_mib * 2**20) if self.stepped else 0)
+        self.slot_save_path = slot_save_path
+        self.slots = [Slot(i, self.n_ctx_slot) for i in range(n_parallel)]
+        self._cv = threading.Condition()
+        self._pending: list[_Task] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._batched = hasattr(model, "forward_batch")
+        self._truncatable: bool | None = None
+        # counters for /metrics
+        self.n_prompt_total = self.n_predicted_total = self.n_requests = self.n_cached_total = 0
+        self.t_prompt_total = self.t_predicted_total = 0.0
+        self.n_rounds = 0
+        self.n_drafted_total = self.n_accepted_total = 0
+        tokenizer.stream()              # builds the detokenizer tables now, not in the first request
+
+    # ---------------------------------------------------------------- public
+
+    def start(self) -> None:
+        with self._cv:
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = threading.Thread(target=self._loop, name="fle-decode", daemon=True)
+                self._thread.start()
+
+    def stop(self, wait: bool = True) -> None:
+        """End every running and waiting request (finish reason ``abort``)
+        and the worker thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+            th = self._thread
+        if wait and th is not None and th is not threading.current_thread():
+            th.join()
+        self._thread = None
+
+    def submit(self, job: Job, cancel: threading.Event, emit: Callable[[str, list], None]) -> Future:
+        if job.id_slot >= self.n_parallel:
+            raise FleError(f"id_slot {job.id_slot} does not exist; the server has {self.n_parallel} slots")
+        return self._enqueue(_Task(job, cancel, emit, Future()))
+
+    def slot_action(self, id_slot: int, action: str, arg: str | None = None) -> Future:
+        """Save, restore or erase a slot once it is idle (waits while it is busy)."""
+        if not 0 <= id_slot < self.n_parallel:
+            raise FleError(f"id_slot {id_slot} does not exist; the server has {self.n_parallel} slots")
+        return self._enqueue(_Task(None, threading.Event(), lambda *_: None, Future(), action=(action, id_slot, arg)))
+
+    def run(self, job: Job, cancel: threading.Event, emit: Callable[[str, list], None]) -> Result:
+        return self.submit(job, cancel, emit).result()
+
+    def _enqueue(self, task: _Task) -> Future:
+        self.start()
+        with self._cv:
+            if self._stopping:
+                raise FleError("the server is shutting down")
+            self._pending.append(task)
+            self._cv.notify_all()
+        return task.future
+
+    def slots_info(self) -> list[dict]:
+        out = []
+        for s in self.slots:
+            t = s.task
+            out.append({"id": s.id, "n_ctx": s.n_ctx, "is_processing": t is not None,
+                        "n_cached_tokens": len(s.tokens), "n_decoded": s.n_decoded,
+                        "id_task": id(t) if t is not None else -1,
+                        "next_token": {"has_next_token": t is not None and not t.done,
+                                       "n_decoded": len(t.out_tokens) if t is not None else 0}})
+        return out
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._pending)
+
+    @property
+    def n_busy(self) -> int:
+        return sum(s.busy for s in self.slots)
+
+    # ---------------------------------------------------------------- the worker
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._assignable() and not any(s.busy for s in self.slots):
+                    self._cv.wait()
+                if self._stopping:
+                    self._abort_all()
+                    return
+                self._assign()
+                active = [s for s in self.slots if s.busy]
+            if active:
+                try:
+                    self._round(active)
+                except Exception as e:  # noqa: BLE001 - fail the round's requests, keep serving
+                    traceback.print_exc(file=sys.stderr)
+                    for s in active:
+                        if s.task is not None:
+                            self._fail(s, e)
+
+    def _assignable(self) -> bool:
+        return any(self._free_slot_for(t) is not None for t in self._pending)
+
+    def _free_slot_for(self, task: _Task) -> Slot | None:
+        if task.action is not None:
+            s = self.slots[task.action[1]]
+            return None if s.busy else s
+        if self.runtime and any(s.busy for s in self.slots):
+            return None             # the GPU engine holds one sequence
+        if task.job.id_slot >= 0:
+            s = self.slots[task.job.id_slot]
+            return None if s.busy else s
+        free = [s for s in self.slots if not s.busy]
+        if not free:
+            return None
+        return self._choose(free, task.job)
+
+    def _can_truncate(self) -> bool:
+        if self._truncatable is None:
+            st = self.model.new_state(2) if self.stepped else None
+            self._truncatable = hasattr(st, "layers") and hasattr(st, "pos") and C.truncatable(st)
+            if not (hasattr(st, "layers") and hasattr(st, "pos")):
+                self.cache.limit = 0    # a model without FLE's state layout: no snapshots
+        return self._truncatable
+
+    def _choose(self, free: list[Slot], job: Job) -> Slot:
+        """The idle slot serving most of the prompt; the least recently used on a tie."""
+        if not job.cache_prompt or not self.stepped:
+            return min(free, key=lambda s: s.t_last)
+        ct = self._can_truncate()
+        return max(free, key=lambda s: (C.usable_prefix(s.tokens, s.logits is not None, job.prompt, ct),
+                                        -s.t_last))
+
+    def _assign(self) -> None:
+        """Start each waiting request whose slot is free, in arrival order."""
+        for task in list(self._pending):
+            if task.cancel.is_set() and task.job is not None:
+                self._pending.remove(task)
+                task.future.set_result(Result("", "stop", len(task.job.prompt), 0, cancelled=True))
+                continue
+            slot = self._free_slot_for(task)
+            if slot is None:
+                continue
+            self._pending.remove(task)
+            try:
+                if task.action is not None:
+                    task.future.set_result(self._do_action(slot, *task.action))
+                else:
+                    self._begin(slot, task)
+            except Exception as e:  # noqa: BLE001 - the request's own failure
+                if not task.future.done():
+                    task.future.set_exception(e)
+                if slot.task is task:
+                    slot.task = None
+
+    # ---------------------------------------------------------------- starting a request
+
+    def _keep_in_cache(self, slot: Slot) -> None:
+        if self.cache.enabled and slot.tokens and slot.cacheable and slot.state is not None:
+            self.cache.put(list(slot.tokens), C.snapshot(slot.state, len(slot.tokens)), slot.logits)
+
+    def _fresh_state(self, slot: Slot) -> None:
+        if slot.state is not None and self._can_truncate():
+            slot.state.pos.fill_(0)
+            slot.state.length = 0
+        else:
+            slot.state = self.model.new_state(slot.n_ctx)
+        slot.tokens, slot.logits = [], None
+
+    def _prepare(self, slot: Slot, job: Job) -> int:
+        """Make the slot's state hold the longest usable prefix of the prompt
+        (its own tokens, or a prompt-cache entry); returns its length."""
+        ct = self._can_truncate()
+        prompt = job.prompt
+        if not job.cache_prompt:
+            self._keep_in_cache(slot)
+            self._fresh_state(slot)
+            return 0
+        have = C.usable_prefix(slot.tokens, slot.logits is not None, prompt, ct) if slot.state is not None else 0
+        entry, from_cache = (self.cache.best(prompt, ct) if self.cache.enabled else (None, 0))
+        if entry is not None and from_cache > have:
+            if slot.tokens != entry.tokens:
+                self._keep_in_cache(slot)
+            if slot.state is None:
+                slot.state = self.model.new_state(slot.n_ctx)
+            C.restore(entry.snap, slot.state)
+            slot.tokens, slot.logits = list(entry.tokens), entry.logits
+            have = from_cache
+        elif have < len(slot.tokens):
+            # what the slot holds goes (all of it, or past the shared prefix)
+            if have == 0 or not ct:
+                self._keep_in_cache(slot)
+                self._fresh_state(slot)
+                have = 0
+        if slot.state is None:
+            self._fresh_state(slot)
+        if have < len(slot.tokens):   # an attention state cut back to the shared prefix
+            self._keep_in_cache(slot)
+            slot.state.pos.fill_(have)
+            slot.state.length = have
+            slot.tokens = slot.tokens[:have]
+            slot.logits = None
+        return have
+
+    def _begin(self, slot: Slot, task: _Task) -> None:
+        job = task.job
+        task.slot, slot.task = slot, task
+        slot.t_last = time.monotonic()
+        slot.n_decoded = 0
+        task.t0 = time.perf_counter()
+        task.sampler = Sampler(job.params)
+        task.decoder = self.tok.stream()
+        task.scan = StopScanner(job.stop)
+        eog = self.tok.eog_ids
+        if not self.stepped:
+            stop = () if job.ignore_eos else eog
+            if self.mtp:
+                task.spec = SpecStats()
+                task.gen = generate_speculative(self.model, job.prompt, job.n_predict, task.sampler, stop=stop,
+                                                n_draft=self.n_draft, stats=task.spec)
+            else:
+                task.gen = self.model.tokens(job.prompt, job.n_predict, stop=stop,
+                                             sampler=None if job.params.temp <= 0 else task.sampler)
+            return
+        task.n_cached = task.pos = self._prepare(slot, job)
+        slot.cacheable = job.cache_prompt
+        task.history = list(job.prompt)
+
+    # ---------------------------------------------------------------- a round
+
+    def _round(self, active: list[Slot]) -> None:
+        self.n_rounds += 1
+        for s in active:
+            if s.task.cancel.is_set() or self._stopping:
+                self._finish(s, "abort" if self._stopping else "stop", cancelled=True)
+        active = [s for s in active if s.task is not None]
+        if not self.stepped:
+            for s in active:
+                self._step_generator(s)
+            return
+        feed: list[tuple[Slot, list[int], bool]] = []     # (slot, tokens, whether the last one is sampled from)
+        for s in active:
+            t = s.task
+            if t.next_token is not None:
+                feed.append((s, [t.next_token], True))
+            elif t.pos < len(t.job.prompt):
+                chunk = t.job.prompt[t.pos:t.pos + N_BATCH]
+                feed.append((s, chunk, t.pos + len(chunk) == len(t.job.prompt)))
+            else:                      # the whole prompt came from a cache, with its logits
+                self._sample(s, s.logits)
+        if not feed:
+            return
+        states = [s.state for s, _, _ in feed]
+        toks = [tk for _, tk, _ in feed]
+        if self._batched:
+            outs = self.model.forward_batch(toks, states)
+        else:
+            outs = [self.model.forward(tk, st) for tk, st in zip(toks, states)]
+        for (s, tk, last), out in zip(feed, outs):
+            t = s.task
+            s.tokens.extend(tk)
+            s.logits = out[-1].detach()
+            if t.next_token is not None:
+                t.next_token = None
+            else:
+                t.pos += len(tk)
+            if last:
+                self._sample(s, s.logits)
+
+    def _adjusted(self, t: _Task, logits) -> np.ndarray:
+        x = logits.detach().float().cpu().numpy().reshape(-1).copy() if isinstance(logits, torch.Tensor) \
+            else np.array(logits, dtype=np.float32).reshape(-1)
+        job = t.job
+        n = x.size
+        for tid, b in job.logit_bias.items():
+            if 0 <= tid < n:
+                x[tid] = -np.inf if b == -math.inf else x[tid] + b
+        if job.ignore_eos:
+            for e in self.tok.eog_ids:
+                if e < n:
+                    x[e] = -np.inf
+        p = job.penalties
+        if p.active:
+            hist = t.history if p.last_n < 0 else t.history[-p.last_n:]
+            if hist:
+                ids, counts = np.unique(np.asarray(hist, dtype=np.int64), return_counts=True)
+                keep = ids < n
+                ids, counts = ids[keep], counts[keep].astype(np.float32)
+                v = x[ids]
+                v = np.where(v <= 0, v * p.repeat, v / p.repeat)
+                v = v - counts * np.float32(p.frequency) - np.float32(p.presence)
+                x[ids] = v
+        if job.constraint is not None:
+            x = job.constraint.mask(x)
+        return x
+
+    def _sample(self, s: Slot, logits) -> None:
+        t = s.task
+        if t.t_first is None:
+            t.t_first = time.perf_counter()
+        x = self._adjusted(t, logits)
+        if not np.isfinite(x).any():
+            self._finish(s, "stop")       # nothing may follow (a finished grammar)
+            return
+        tok = t.sampler(x)
+        if t.job.probs:
+            raw = logits.detach().float().cpu() if isinstance(logits, torch.Tensor) else torch.tensor(logits)
+            lp = torch.log_softmax(raw.reshape(-1), -1)
+            k = t.job.n_probs
+            top = []
+            if k:
+                vals, ids = torch.topk(lp, min(k, lp.numel()))
+                top = [(int(i), float(v)) for i, v in zip(ids, vals)]
+            t.unsent.append(TokenProb(tok, float(lp[tok]), top))
+        self._accept(s, tok)
+
+    def _accept(self, s: Slot, tok: int) -> None:
+        """Take a sampled token: end of generation, text, stop strings, limits."""
+        t = s.task
+        job = t.job
+        t.out_tokens.append(tok)
+        t.history.append(tok)
+        s.n_decoded += 1
+        if job.constraint is not None:
+            job.constraint.accept(tok)
+        if tok in self.tok.eog_ids and not job.ignore_eos:
+            self._finish(s, "stop")
+            return
+        self._release(t, t.scan.add(t.decoder.add(tok)))
+        if t.scan.stopped:
+            self._finish(s, "stop")
+        elif job.constraint is not None and job.constraint.finished():
+            self._finish(s, "stop")
+        elif len(t.out_tokens) >= job.n_predict:
+            self._finish(s, "length")
+        elif self.stepped and len(s.tokens) + 1 > s.n_ctx:
+            self._finish(s, "length")
+        elif self.stepped:
+            t.next_token = tok
+
+    def _release(self, t: _Task, text: str) -> None:
+        if text or (t.unsent and t.done):
+            t.pieces.append(text)
+            probs, t.unsent = t.unsent, []
+            t.probs.extend(probs)
+            t.emit(text, probs)
+
+    def _step_generator(self, s: Slot) -> None:
+        t = s.task
+        try:
+            tok = next(t.gen)
+        except StopIteration:
+            self._finish(s, "length")
+            return
+        if t.t_first is None:
+            t.t_first = time.perf_counter()
+        t.out_tokens.append(tok)
+        s.n_decoded += 1
+        if tok in self.tok.eog_ids and not t.job.ignore_eos:
+            self._finish(s, "stop")
+            return
+        self._release(t, t.scan.add(t.decoder.add(tok)))
+        if t.scan.stopped:
+            self._finish(s, "stop")
+        elif len(t.out_tokens) >= t.job.n_predict:
+            self._finish(s, "length")
+
+    # ---------------------------------------------------------------- ending a request
+
+    def _finish(self, s: Slot, reason: str, cancelled: bool = False) -> None:
+        t = s.task
+        t.done = True
+        if t.gen is not None:
+            t.gen.close()
+        if not t.scan.stopped and not cancelled:
+            self._release(t, t.scan.add(t.decoder.flush()))
+            if t.scan.stopped:
+                reason = "stop"
+            else:
+                self._release(t, t.scan.finish())
+        if t.unsent:
+            self._release(t, "")
+        t_end = time.perf_counter()
+        t_first = t_end if t.t_first is None else t.t_first
+        job = t.job
+        res = Result("".join(t.pieces), reason, len(job.prompt), len(t.out_tokens), cancelled, t.scan.stop_word,
+                     prompt_ms=1e3 * (t_first - t.t0), predicted_ms=1e3 * (t_end - t_first),
+                     drafted=t.spec.drafted if t.spec else 0, accepted=t.spec.accepted if t.spec else 0,
+                     n_cached=t.n_cached, id_slot=s.id, probs=t.probs, tokens=list(t.out_tokens))
+        if not self.stepped:
+            s.tokens, s.logits = [], None
+        s.task = None
+        s.t_last = time.monotonic()
+        self.n_requests += 1
+        self.n_prompt_total += res.n_prompt - res.n_cached
+        self.n_cached_total += res.n_cached
+        self.n_predicted_total += res.n_generated
+        self.t_prompt_total += res.prompt_ms
+        self.t_predicted_total += res.predicted_ms
+        self.n_drafted_total += res.drafted
+        self.n_accepted_total += res.accepted
+        if self.log is not None:
+            tm = res.timings()
+            why = {"abort": "server shutting down"}.get(reason) if cancelled else None
+            why = why or ("client gone" if cancelled else "stop string" if t.scan.stopped else
+                          "end of generation" if reason == "stop" else "length")
+            drafts = f", MTP drafts {res.accepted}/{res.drafted}" if res.drafted else ""
+            print(f"fle-engine: slot {s.id}: prompt {res.n_prompt} tokens ({res.n_cached} cached, "
+                  f"{tm['prompt_per_second']:.1f} t/s), generated {res.n_generated} tokens "
+                  f"({tm['predicted_per_second']:.1f} t/s), {why}, seed {t.sampler.seed}{drafts}",
+                  file=self.log, flush=True)
+        t.future.set_result(res)
+
+    def _fail(self, s: Slot, e: BaseException) -> None:
+        t = s.task
+        s.task = None
+        s.state, s.tokens, s.logits = None, [], None    # its state is not trustworthy now
+        if t is not None and not t.future.done():
+            t.future.set_exception(e)
+
+    def _abort_all(self) -> None:
+        for s in self.slots:
+            if s.task is not None:
+                try:
+                    self._finish(s, "abort", cancelled=True)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(s, e)
+        for task in self._pending:
+            if not task.future.done():
+                if task.job is None:
+                    task.future.set_exception(FleError("the server is shutting down"))
+                else:
+                    task.future.set_result(Result("", "abort", len(task.job.prompt), 0, cancelled=True))
+        self._pending.clear()
+
+    # ---------------------------------------------------------------- slot files
+
+    def _slot_file(self, name: str | None) -> str:
+        if not self.slot_save_path:
+            raise FleError("slot save and restore need --slot-save-path")
+        if not name or not isinstance(name, str) or os.path.basename(name) != name or name in (".", ".."):
+            raise FleError(f"invalid slot file name {name!r}: a plain file name is needed")
+        return os.path.join(self.slot_save_path, name)
+
+    def _do_action(self, s: Slot, action: str, sid: int, arg: str | None) -> dict:
+        t0 = time.perf_counter()
+        if action == "erase":
+            n = len(s.tokens)
+            s.state, s.tokens, s.logits = None, [], None
+            return {"id_slot": sid, "n_erased": n}
+        if not self.stepped:
+            raise FleError("slot save and restore run on the reference path without MTP")
+        if action == "save":
+            path = self._slot_file(arg)
+            if s.state is None or not s.tokens:
+                raise FleError(f"slot {sid} holds nothing to save")
+            nbytes = C.save_file(path, s.tokens, C.snapshot(s.state, len(s.tokens)), s.logits, self.model.arch)
+            return {"id_slot": sid, "filename": arg, "n_saved": len(s.tokens), "n_written": nbytes,
+                    "timings": {"save_ms": 1e3 * (time.perf_counter() - t0)}}
+        if action == "restore":
+            path = self._slot_file(arg)
+            tokens, snap, logits, nbytes = C.load_file(path, self.model.arch)
+            if snap.n > s.n_ctx:
+                raise FleError(f"the saved slot holds {snap.n} tokens; a slot here holds {s.n_ctx}")
+            if s.state is None:
+                s.state = self.model.new_state(s.n_ctx)
+            C.restore(snap, s.state)
+            s.tokens, s.logits, s.cacheable = tokens, logits, True
+            return {"id_slot": sid, "filename": arg, "n_restored": len(tokens), "n_read": nbytes,
+                    "timings": {"restore_ms": 1e3 * (time.perf_counter() - t0)}}
+        raise FleError(f"unknown slot action {action!r}: expected save, restore or erase")
+
+
+def default_ctx_size(n_ctx_train: int | None, requested: int | None) -> int:
+    """``--ctx-size``: None -> the model's context length capped at
+    :data:`CTX_CAP`; 0 -> the model's own; N -> N."""
+    if requested is None:
+        return min(n_ctx_train, CTX_CAP) if n_ctx_train else CTX_CAP
+    if requested == 0:
+        return n_ctx_train if n_ctx_train else CTX_CAP
+    return requested
