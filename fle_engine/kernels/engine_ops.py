@@ -20,6 +20,16 @@ Signatures (both sides; outputs written in place):
   head_dim, n_rot, q_out, k_cache, v_cache)``
 - ``attention(q, k_cache, v_cache, pos, scale, out, partial, ml)``
 - ``embed_row(table, qtype, tok, out)``
+- ``attention(..., keep, ratio)``: only the positions p whose block
+  ``keep[p // ratio]`` is set count (sparse attention)
+- ``hc_write_norm(res, parts, inject, n_streams, weight, eps, out)``: the
+  hyper-connection write ``res[s] += 2 sigmoid(inject[s] / S) * sum(parts)``
+  (skipped when ``parts`` is None) and the per-stream RMSNorm times the
+  [S, D] gamma into ``out``
+- ``hc_mix(xn, gate, out)``: ``out = mean_s(xn[s] * sigmoid(gate[s]))``
+- ``gather_rows(table, qtype, host_delta, rows, out)``: rows ``rows`` of a
+  quantized table, concatenated; the fast side reads them from host memory
+  at ``host_delta`` words from ``table`` (zero-copy)
 """
 from __future__ import annotations
 
@@ -110,19 +120,41 @@ def qk_rope_kv_ref(qkv: Tensor, q_norm, k_norm, eps: float, cos: Tensor, sin: Te
 
 
 def attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
-                  partial=None, ml=None) -> None:
+                  partial=None, ml=None, keep: "Tensor | None" = None, ratio: int = 0) -> None:
     n_kv, _, dh = k_cache.shape
     length = int(pos.reshape(-1)[0]) + 1
     qh = q.view(n_kv, -1, dh).float()                                  # [Hkv, G, Dh]
     k = k_cache[:, :length].float()
     v = v_cache[:, :length].float()
-    probs = torch.softmax(torch.matmul(qh, k.transpose(1, 2)) * scale, dim=-1)
+    scores = torch.matmul(qh, k.transpose(1, 2)) * scale
+    if keep is not None:
+        kept = keep.to(torch.bool)[torch.arange(length, device=keep.device) // ratio]
+        scores = scores.masked_fill(~kept.to(scores.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
     out.copy_(torch.matmul(probs, v).reshape(-1))
 
 
 def embed_row_ref(table: Tensor, qtype: GGMLType, tok: Tensor, out: Tensor) -> None:
     t = int(tok.reshape(-1)[0])
     out.copy_(dequantize_weights(table[t:t + 1].cpu(), qtype)[0].to(out.device))
+
+
+def hc_write_norm_ref(res: Tensor, parts: "Tensor | None", inject: "Tensor | None", n_streams: int, weight: Tensor,
+                      eps: float, out: Tensor) -> None:
+    if parts is not None:
+        w = 2.0 * torch.sigmoid(inject.reshape(-1, 1) / n_streams)
+        res += w * parts.sum(1)
+    out.copy_(res * torch.rsqrt(res.pow(2).mean(-1, keepdim=True) + eps) * weight)
+
+
+def hc_mix_ref(xn: Tensor, gate: Tensor, out: Tensor) -> None:
+    out.copy_((xn * torch.sigmoid(gate.view_as(xn))).mean(0).view_as(out))
+
+
+def gather_rows_ref(table: Tensor, qtype: GGMLType, host_delta: int, rows: Tensor, out: Tensor) -> None:
+    idx = rows.reshape(-1).cpu()
+    vals = dequantize_weights(table[idx], qtype)
+    out.copy_(vals.reshape(-1).to(out.device))
 
 
 # ---------------------------------------------------------------------------
@@ -133,11 +165,13 @@ def _fast():
     from . import triton_engine as te
 
     return SimpleNamespace(experts=te.experts, route_topk=te.route_topk, add_rmsnorm=te.add_rmsnorm,
-                           qk_rope_kv=te.qk_rope_kv, attention=te.attention, embed_row=te.embed_row)
+                           qk_rope_kv=te.qk_rope_kv, attention=te.attention, embed_row=te.embed_row,
+                           hc_write_norm=te.hc_write_norm, hc_mix=te.hc_mix, gather_rows=te.gather_rows)
 
 
 REFERENCE = SimpleNamespace(experts=experts_ref, route_topk=route_topk_ref, add_rmsnorm=add_rmsnorm_ref,
-                            qk_rope_kv=qk_rope_kv_ref, attention=attention_ref, embed_row=embed_row_ref)
+                            qk_rope_kv=qk_rope_kv_ref, attention=attention_ref, embed_row=embed_row_ref,
+                            hc_write_norm=hc_write_norm_ref, hc_mix=hc_mix_ref, gather_rows=gather_rows_ref)
 
 # name -> (reference, fast) ; the fast side is filled on first use (it imports triton)
 OPS: dict[str, tuple] = {name: (getattr(REFERENCE, name), None) for name in vars(REFERENCE)}

@@ -24,7 +24,13 @@ synchronisation and replays as a CUDA graph.
 - :func:`attention`: decode attention over the used length only (read
   from the device): a fixed number of splits per KV head, each looping over
   its share of the positions, then one reduction; the cost follows the
-  length, not the allocated context.
+  length, not the allocated context; with a block mask (QSA) only the
+  kept blocks' positions count.
+- :func:`hc_write_norm`, :func:`hc_mix`: the hyper-connection arithmetic
+  (write with its sigmoid weights plus the next per-stream norm; the
+  gated mean of the streams).
+- :func:`gather_rows`: rows of a quantized table read from page-locked
+  host memory (the PLE table), decoded into float32.
 """
 from __future__ import annotations
 
@@ -39,7 +45,8 @@ from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 
 from .triton_quant import _FORMATS, _decode, _lut, _value_index
 
-__all__ = ["experts", "route_topk", "add_rmsnorm", "qk_rope_kv", "attention", "embed_row", "ATTN_SPLITS"]
+__all__ = ["experts", "route_topk", "add_rmsnorm", "qk_rope_kv", "attention", "embed_row", "hc_write_norm", "hc_mix",
+           "gather_rows", "ATTN_SPLITS"]
 
 ATTN_SPLITS = 32
 
@@ -277,8 +284,9 @@ def qk_rope_kv(qkv: Tensor, q_norm: "Tensor | None", k_norm: "Tensor | None", ep
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, n_pos, scale, group,
-                       GP: tl.constexpr, DH: tl.constexpr, BLOCK_P: tl.constexpr, N_SPLIT: tl.constexpr):
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, keep_ptr, ratio, n_pos, scale, group,
+                       GP: tl.constexpr, DH: tl.constexpr, BLOCK_P: tl.constexpr, N_SPLIT: tl.constexpr,
+                       HAS_KEEP: tl.constexpr):
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
     length = tl.load(pos_ptr).to(tl.int32) + 1
@@ -301,8 +309,12 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, n_pos, scale
         off = p.to(tl.int64)[:, None] * DH + d[None, :]
         kt = tl.load(kbase + off, mask=pm[:, None], other=0.0).to(tl.float32)
         s = tl.sum(q[:, None, :] * kt[None, :, :], axis=2) * scale
+        if HAS_KEEP:
+            pm = pm & (tl.load(keep_ptr + p // ratio, mask=pm, other=0) != 0)
         s = tl.where(pm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if HAS_KEEP:    # a chunk with no kept position leaves m at -inf
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_new)
         pr = tl.exp(s - m_new[:, None])
         vt = tl.load(vbase + off, mask=pm[:, None], other=0.0).to(tl.float32)
@@ -335,17 +347,20 @@ def _attn_reduce_kernel(o_ptr, ml_ptr, out_ptr, group, GP: tl.constexpr, DH: tl.
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
-              partial: Tensor, ml: Tensor) -> None:
+              partial: Tensor, ml: Tensor, keep: "Tensor | None" = None, ratio: int = 0) -> None:
     """Decode attention of one token: ``q`` float32 [H Dh] against positions
     0..pos of ``k_cache``/``v_cache`` [Hkv, P, Dh] -> ``out`` [H Dh].
     ``partial`` float32 [Hkv * ATTN_SPLITS * GP, Dh] and ``ml`` float32
     [Hkv * ATTN_SPLITS * GP, 2] are scratch (GP: query heads per KV head,
-    rounded up to a power of two)."""
+    rounded up to a power of two). ``keep`` (int32 [ceil(P / ratio)], on the
+    device): only positions whose block of ``ratio`` is kept count."""
     n_kv, n_pos, dh = k_cache.shape
     group = q.numel() // dh // n_kv
     gp = triton.next_power_of_2(group)
-    _attn_split_kernel[(n_kv, ATTN_SPLITS)](q, k_cache, v_cache, pos, partial, ml, n_pos, float(scale), group,
-                                            GP=gp, DH=dh, BLOCK_P=16, N_SPLIT=ATTN_SPLITS, num_warps=4)
+    _attn_split_kernel[(n_kv, ATTN_SPLITS)](q, k_cache, v_cache, pos, partial, ml, pos if keep is None else keep,
+                                            max(1, int(ratio)), n_pos, float(scale), group,
+                                            GP=gp, DH=dh, BLOCK_P=16, N_SPLIT=ATTN_SPLITS, HAS_KEEP=keep is not None,
+                                            num_warps=4)
     _attn_reduce_kernel[(n_kv * group,)](partial, ml, out, group, GP=gp, DH=dh, N_SPLIT=ATTN_SPLITS, num_warps=2)
 
 
@@ -382,3 +397,90 @@ def embed_row(table: Tensor, qtype: GGMLType, tok: Tensor, out: Tensor) -> None:
     _embed_kernel[(triton.cdiv(n_blocks, fmt.blocks_per_chunk),)](
         words, _lut(qtype, fmt, table), tok, out, n_blocks * values, n_blocks, table.shape[1] // words.element_size(),
         QTYPE=int(qtype), A=a, B=b, C=c, num_warps=1)
+
+
+# ---------------------------------------------------------------------------
+# hyper-connections
+
+
+@triton.jit
+def _hc_write_norm_kernel(res_ptr, parts_ptr, inj_ptr, w_ptr, out_ptr, n, eps, inv_streams,
+                          N_PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    s = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(res_ptr + s * n + offs, mask=m, other=0.0)
+    if N_PARTS > 0:
+        y = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in tl.static_range(N_PARTS):
+            y += tl.load(parts_ptr + i * n + offs, mask=m, other=0.0)
+        inj = tl.load(inj_ptr + s)
+        x += 2.0 / (1.0 + tl.exp(-inj * inv_streams)) * y
+        tl.store(res_ptr + s * n + offs, x, mask=m)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    w = tl.load(w_ptr + s * n + offs, mask=m, other=0.0)
+    tl.store(out_ptr + s * n + offs, x * r * w, mask=m)
+
+
+def hc_write_norm(res: Tensor, parts: "Tensor | None", inject: "Tensor | None", n_streams: int, weight: Tensor,
+                  eps: float, out: Tensor) -> None:
+    """The hyper-connection write and the next read's norm in one kernel:
+    ``res`` [S, D] (in place) += 2 sigmoid(``inject`` [S] / S) * the sum of
+    ``parts`` [1, P, D]; ``out`` [S, D] = per-stream RMSNorm(res) * ``weight``
+    [S, D]."""
+    s, n = res.shape
+    n_parts = 0 if parts is None else parts.shape[1]
+    _hc_write_norm_kernel[(s,)](res, res if parts is None else parts, res if inject is None else inject, weight, out,
+                                n, float(eps), 1.0 / n_streams, N_PARTS=n_parts, BLOCK=triton.next_power_of_2(n),
+                                num_warps=8)
+
+
+@triton.jit
+def _hc_mix_kernel(xn_ptr, g_ptr, out_ptr, n, S: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(S):
+        x = tl.load(xn_ptr + s * n + offs, mask=m, other=0.0)
+        g = tl.load(g_ptr + s * n + offs, mask=m, other=0.0)
+        acc += x / (1.0 + tl.exp(-g))
+    tl.store(out_ptr + offs, acc / S, mask=m)
+
+
+def hc_mix(xn: Tensor, gate: Tensor, out: Tensor) -> None:
+    """The block input of a hyper-connection read: ``out`` [D] = mean over
+    the S streams of ``xn`` [S, D] * sigmoid(``gate``, S * D values)."""
+    s, n = xn.shape
+    block = 1024
+    _hc_mix_kernel[(triton.cdiv(n, block),)](xn, gate, out, n, S=s, BLOCK=block, num_warps=4)
+
+
+# ---------------------------------------------------------------------------
+# rows of a quantized table in host memory
+
+
+@triton.jit
+def _gather_rows_kernel(wv, lut_ptr, rows_ptr, x_ptr, host_delta, n_in, n_blocks, row_words,
+                        QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    h = tl.program_id(0)
+    kc = tl.program_id(1)
+    row = tl.load(rows_ptr + h).to(tl.int64)
+    row_w = host_delta + row * row_words + tl.zeros([1], dtype=tl.int64)
+    w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)   # [1, A, B, C]
+    k = kc * (A * B * C) + _value_index(QTYPE, A, B, C)
+    tl.store(x_ptr + h * n_in + k[None, :, :, :], w, mask=(k < n_in)[None, :, :, :])
+
+
+def gather_rows(table: Tensor, qtype: GGMLType, host_delta: int, rows: Tensor, out: Tensor) -> None:
+    """``out`` float32 [R * D] = rows ``rows`` (int64 [R] on the device) of a
+    quantized table whose raw rows ``table`` uint8 [V, row_bytes] sit
+    ``host_delta`` words (the format's word) from ``table``'s address: a
+    page-locked host copy read by the GPU directly (0: ``table`` itself)."""
+    fmt = _FORMATS[qtype]
+    values, size = BLOCK_GEOMETRY[qtype]
+    n_blocks = table.shape[1] // size
+    words = table.view(fmt.word)
+    a, b, c = fmt.tile
+    _gather_rows_kernel[(rows.numel(), triton.cdiv(n_blocks, fmt.blocks_per_chunk))](
+        words, _lut(qtype, fmt, table), rows, out, int(host_delta), n_blocks * values, n_blocks,
+        table.shape[1] // words.element_size(), QTYPE=int(qtype), A=a, B=b, C=c, num_warps=1)

@@ -45,6 +45,10 @@ class GDN:
 
 class Net(qwen3moe.Net):
     Args = ModelArgs
+    # GDN variants: the output gate's activation, and which K head a V head
+    # reads (grouped: j // (Hv / Hk); tiled: j mod Hk)
+    gdn_gate = staticmethod(F.silu)
+    gdn_tiled = False
 
     def load_layer(self, il: int) -> qwen3moe.Layer:
         p, a = f"blk.{il}.", self.args
@@ -68,20 +72,23 @@ class Net(qwen3moe.Net):
             z = self.dense(p + "ssm_in.weight", value_dim, a.n_embd, rows=per[:, 2 * dk + r * dk:].reshape(-1))
         else:
             raise FleError(f"{g.paths[0]}: GDN layer {il} has neither attn_qkv.weight nor ssm_in.weight")
-        # per K head [beta (r), alpha (r)] -> all betas, then all alphas, in V-head order
-        ba = np.arange(2 * nv).reshape(nk, 2 * r)
+        if p + "ssm_ba.weight" in g.tensors:
+            # per K head [beta (r), alpha (r)] -> all betas, then all alphas, in V-head order
+            ba = np.arange(2 * nv).reshape(nk, 2 * r)
+            beta = self.dense(p + "ssm_ba.weight", nv, a.n_embd, rows=ba[:, :r].reshape(-1))
+            alpha = self.dense(p + "ssm_ba.weight", nv, a.n_embd, rows=ba[:, r:].reshape(-1))
+        else:   # separate projections (qwen4exp)
+            beta = self.dense(p + "ssm_beta.weight", nv, a.n_embd)
+            alpha = self.dense(p + "ssm_alpha.weight", nv, a.n_embd)
         conv = self.vec(p + "ssm_conv1d.weight", a.conv_dim * a.conv_kernel).view(a.conv_dim, a.conv_kernel)
-        return GDN(qkv=qkv, z=z,
-                   b=self.dense(p + "ssm_ba.weight", nv, a.n_embd, rows=ba[:, :r].reshape(-1)),
-                   a=self.dense(p + "ssm_ba.weight", nv, a.n_embd, rows=ba[:, r:].reshape(-1)),
-                   conv=conv.contiguous(), dt_bias=self.vec(p + "ssm_dt.bias", nv), ssm_a=self.vec(p + "ssm_a", nv),
+        return GDN(qkv=qkv, z=z, b=beta, a=alpha, conv=conv.contiguous(), dt_bias=self.vec(p + "ssm_dt.bias", nv), ssm_a=self.vec(p + "ssm_a", nv),
                    norm=self.vec(p + "ssm_norm.weight", dk),
                    out=self.dense(p + "ssm_out.weight", a.n_embd, value_dim))
 
     def new_caches(self, ctx: int, k_dtype, v_dtype) -> list:
         a, dev = self.args, self.device
         out = []
-        for rec in a.recurrent:
+        for rec in a.recurrent[:a.n_layer]:
             if rec:
                 out.append((torch.zeros(a.conv_kernel - 1, a.conv_dim, dtype=torch.float32, device=dev),
                             torch.zeros(a.n_v_heads, a.d_state, a.d_state, dtype=torch.float32, device=dev)))
@@ -125,11 +132,15 @@ class Net(qwen3moe.Net):
         q = conv[:, :dk * nk].view(1, nk, dk)
         k = conv[:, dk * nk:2 * dk * nk].view(1, nk, dk)
         v = conv[:, 2 * dk * nk:].view(1, nv, dk)
-        q = Lr.l2_norm(q, a.eps)[:, :, None].expand(1, nk, nv // nk, dk).reshape(1, nv, dk)
-        k = Lr.l2_norm(k, a.eps)[:, :, None].expand(1, nk, nv // nk, dk).reshape(1, nv, dk)
+        if self.gdn_tiled:
+            q = Lr.l2_norm(q, a.eps).repeat(1, nv // nk, 1)
+            k = Lr.l2_norm(k, a.eps).repeat(1, nv // nk, 1)
+        else:
+            q = Lr.l2_norm(q, a.eps)[:, :, None].expand(1, nk, nv // nk, dk).reshape(1, nv, dk)
+            k = Lr.l2_norm(k, a.eps)[:, :, None].expand(1, nk, nv // nk, dk).reshape(1, nv, dk)
         o, s = Lr.gdn_recurrent(q, k, v, g, beta, ssm)
         ssm.copy_(s)
-        o = Lr.rms_norm(o, m.norm, a.eps) * F.silu(b.gz.view(1, nv, dk))
+        o = Lr.rms_norm(o, m.norm, a.eps) * self.gdn_gate(b.gz.view(1, nv, dk))
         b.go.copy_(o.reshape(1, -1))
         m.out.matvec(b.go, b.attn_out.view(1, -1), impl)
 

@@ -182,6 +182,19 @@ def _cudart():
     return torch.cuda.cudart()
 
 
+def pin_host(buf: np.ndarray, what: str, why: str) -> None:
+    """Page-lock ``buf`` and map it for the GPU: cudaHostRegister (portable
+    | mapped), so the pages stay resident and the GPU reads them by their
+    host address (torch's pinned allocator would round the size up to a
+    power of two). Undo with ``cudaHostUnregister`` before freeing."""
+    err = _cudart().cudaHostRegister(buf.ctypes.data, buf.nbytes, 3)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        raise FleError(f"cannot page-lock {buf.nbytes / 2**30:.1f} GiB of host memory for {what} "
+                       f"(cudaHostRegister error {code}); raise the locked-memory limit (ulimit -l) or free "
+                       f"RAM; {why}")
+
+
 class HostExperts:
     """Every layer's routed experts in one host buffer (page-locked on CUDA).
 
@@ -207,14 +220,7 @@ class HostExperts:
             self._pin()
 
     def _pin(self) -> None:
-        # cudaHostRegister (portable | mapped): the pages stay resident and the GPU reads them by their
-        # host address; torch's pinned allocator would round the size up to a power of two
-        err = _cudart().cudaHostRegister(self.buf.ctypes.data, self.buf.nbytes, 3)
-        code = int(getattr(err, "value", err))
-        if code != 0:
-            raise FleError(f"cannot page-lock {self.nbytes / 2**30:.1f} GiB of host memory for the routed experts "
-                           f"(cudaHostRegister error {code}); raise the locked-memory limit (ulimit -l) or free "
-                           f"RAM; misses are read by the GPU from page-locked memory")
+        pin_host(self.buf, "the routed experts", "misses are read by the GPU from page-locked memory")
         self.pinned = True
 
     def close(self) -> None:
