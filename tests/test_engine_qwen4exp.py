@@ -232,6 +232,39 @@ def test_ple_table_type_without_a_fast_reader_is_refused(tmp_path):
                progress=False, log=lambda m: None, graphs=False)
 
 
+def test_fast_model_of_the_bench_shape_runs(tmp_path):
+    """The benchmark's qwen4exp-scaled widths (fewer layers, experts and
+    table rows): the fast factory writes random valid blocks the engine
+    runs, with the reference's greedy tokens and finite, non-flat logits."""
+    import importlib.util
+    from pathlib import Path
+
+    from fle_quant.synth.fast import make_fast_model
+
+    spec = importlib.util.spec_from_file_location("bench_engine", Path(__file__).parents[1] / "bench" / "engine.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shape = bench.SHAPES["qwen4exp-scaled"]
+    o = dict(shape["overrides"], block_count=4, expert_count=16, vocab_size=2048, context_length=4096,
+             ple_head_vocab_sizes="primes:16:1000")
+    o = bench.shape_overrides(o)
+    path = make_fast_model(tmp_path / "s.gguf", shape["arch"], seed=2, mix=shape["mix"], rules=shape["rules"],
+                           mtp=shape["mtp"], routing_skew=1.0, progress=False, **o)
+    model = load(path, device=DEVICE, experts="resident")
+    state = model.new_state(64)
+    out = model.forward(PROMPT, state)
+    ref = []
+    for _ in range(12):
+        ref.append(int(torch.argmax(out[-1])))
+        out = model.forward([ref[-1]], state)
+    assert torch.isfinite(out).all() and float(out[-1].std()) > 0
+    eng = Engine(path, device=DEVICE, cache_budget=0, ctx_size=64, cache_type_k="f32", cache_type_v="f32",
+                 profile_path="none", progress=False, log=lambda m: None)
+    assert eng.args.hc == 4 and eng.args.n_expert_used == 10 and eng.args.ple_layer == 1
+    assert eng.generate(PROMPT, 12) == ref
+    eng.close()
+
+
 # ---------------------------------------------------------------------------
 # launches per layer
 
