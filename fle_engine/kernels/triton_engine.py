@@ -29,6 +29,10 @@ synchronisation and replays as a CUDA graph.
 - :func:`hc_write_norm`, :func:`hc_mix`: the hyper-connection arithmetic
   (write with its sigmoid weights plus the next per-stream norm; the
   gated mean of the streams).
+- :func:`gdn_step`: one token of a gated delta net layer after its
+  projections, in two launches: the causal conv with silu (its state
+  shifted in place), then per V head the L2 norms, the delta rule on the
+  head's [Dv, Dk] state, the RMSNorm and the output gate.
 - :func:`gather_rows`: rows of a quantized table read from page-locked
   host memory (the PLE table), decoded into float32.
 """
@@ -46,7 +50,7 @@ from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 from .triton_quant import _FORMATS, _decode, _lut, _value_index
 
 __all__ = ["experts", "route_topk", "add_rmsnorm", "qk_rope_kv", "attention", "embed_row", "hc_write_norm", "hc_mix",
-           "gather_rows", "ATTN_SPLITS"]
+           "gather_rows", "gdn_step", "ATTN_SPLITS"]
 
 ATTN_SPLITS = 32
 
@@ -484,3 +488,73 @@ def gather_rows(table: Tensor, qtype: GGMLType, host_delta: int, rows: Tensor, o
     _gather_rows_kernel[(rows.numel(), triton.cdiv(n_blocks, fmt.blocks_per_chunk))](
         words, _lut(qtype, fmt, table), rows, out, int(host_delta), n_blocks * values, n_blocks,
         table.shape[1] // words.element_size(), QTYPE=int(qtype), A=a, B=b, C=c, num_warps=1)
+
+
+# ---------------------------------------------------------------------------
+# gated delta net, one token
+
+
+@triton.jit
+def _gdn_conv_kernel(x_ptr, state_ptr, w_ptr, y_ptr, n_ch, K: tl.constexpr, BLOCK: tl.constexpr):
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = c < n_ch
+    x = tl.load(x_ptr + c, mask=m, other=0.0)
+    acc = x * tl.load(w_ptr + c * K + (K - 1), mask=m, other=0.0)
+    for i in tl.static_range(K - 1):
+        si = tl.load(state_ptr + i * n_ch + c, mask=m, other=0.0)
+        acc += si * tl.load(w_ptr + c * K + i, mask=m, other=0.0)
+        if i > 0:
+            tl.store(state_ptr + (i - 1) * n_ch + c, si, mask=m)
+    tl.store(state_ptr + (K - 2) * n_ch + c, x, mask=m)
+    tl.store(y_ptr + c, acc / (1.0 + tl.exp(-acc)), mask=m)
+
+
+@triton.jit
+def _gdn_rule_kernel(conv_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, ssma_ptr, s_ptr, norm_ptr, out_ptr, eps, n_k, ratio,
+                     DK: tl.constexpr, DV: tl.constexpr, TILED: tl.constexpr, SIGMOID: tl.constexpr):
+    j = tl.program_id(0)
+    n_v = n_k * ratio
+    kh = j % n_k if TILED else j // ratio
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    q = tl.load(conv_ptr + kh * DK + dk)
+    k = tl.load(conv_ptr + n_k * DK + kh * DK + dk)
+    v = tl.load(conv_ptr + 2 * n_k * DK + j * DV + dv)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps) * (1.0 / tl.sqrt(DK * 1.0))
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + j)))
+    ga = tl.load(a_ptr + j) + tl.load(dtb_ptr + j)
+    sp = tl.where(ga > 20.0, ga, tl.log(1.0 + tl.exp(tl.minimum(ga, 20.0))))     # softplus (threshold 20)
+    decay = tl.exp(sp * tl.load(ssma_ptr + j))
+    offs = j.to(tl.int64) * DV * DK + dv[:, None] * DK + dk[None, :]
+    st = tl.load(s_ptr + offs) * decay                                   # [DV, DK]
+    sk = tl.sum(st * k[None, :], axis=1)
+    d = (v - sk) * beta
+    st = st + d[:, None] * k[None, :]
+    tl.store(s_ptr + offs, st)
+    o = tl.sum(st * q[None, :], axis=1)                                  # [DV]
+    o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * tl.load(norm_ptr + dv)
+    z = tl.load(z_ptr + j * DV + dv)
+    if SIGMOID:
+        gz = 1.0 / (1.0 + tl.exp(-z))
+    else:
+        gz = z / (1.0 + tl.exp(-z))
+    tl.store(out_ptr + j * DV + dv, o * gz)
+
+
+def gdn_step(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, conv_state: Tensor, conv_w: Tensor, dt_bias: Tensor,
+             ssm_a: Tensor, ssm: Tensor, norm: Tensor, eps: float, n_k: int, tiled: bool, sigmoid_gate: bool,
+             conv_out: Tensor, out: Tensor) -> None:
+    """One token of a gated delta net layer after its projections (see
+    :mod:`.engine_ops`): ``qkv`` [C], ``z`` [Hv Dv], ``b``/``a`` [Hv] the raw
+    beta/alpha projections, ``conv_state`` float32 [K-1, C] and ``ssm``
+    float32 [Hv, Dv, Dk] updated in place, ``conv_out`` [C] scratch, ``out``
+    [Hv Dv]."""
+    n_ch = qkv.numel()
+    k_taps = conv_w.shape[1]
+    nv, dv, dk = ssm.shape
+    block = 1024
+    _gdn_conv_kernel[(triton.cdiv(n_ch, block),)](qkv, conv_state, conv_w, conv_out, n_ch, K=k_taps, BLOCK=block,
+                                                  num_warps=4)
+    _gdn_rule_kernel[(nv,)](conv_out, z, b, a, dt_bias, ssm_a, ssm, norm, out, float(eps), n_k, nv // n_k,
+                            DK=dk, DV=dv, TILED=bool(tiled), SIGMOID=bool(sigmoid_gate), num_warps=8)

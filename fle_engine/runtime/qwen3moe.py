@@ -128,12 +128,13 @@ class Net:
     @property
     def dense_bytes(self) -> int:
         mats = [self.output] + ([self.tok_embd] if self.tok_embd is not self.output else [])
-        n = sum(m.nbytes for m in mats)
+        n = 0
         for L in self.layers:
-            n += sum(m.nbytes for m in vars(L.mixer).values() if isinstance(m, W.DenseMatrix))
-            n += sum(m.nbytes for ms in vars(L.mixer).values() if isinstance(ms, list) for m in ms)
-            n += L.moe.router.numel() * 4 + sum(m.nbytes for m in (L.moe.shared or ()))
-        return n
+            mats += [m for m in vars(L.mixer).values() if isinstance(m, W.DenseMatrix)]
+            mats += [m for ms in vars(L.mixer).values() if isinstance(ms, list) for m in ms]
+            n += L.moe.router.numel() * 4
+            mats += list(L.moe.shared or ())
+        return n + W.unique_bytes(mats)
 
     # state and buffers ---------------------------------------------------------------
     def new_caches(self, ctx: int, k_dtype, v_dtype) -> list:

@@ -36,6 +36,7 @@ class GDN:
     z: W.DenseMatrix
     b: W.DenseMatrix          # beta rows, V-head order
     a: W.DenseMatrix          # alpha rows, V-head order
+    proj: "W.DenseMatrix | None"   # rows qkv | z | b | a as one matrix (the four are views of it), or None
     conv: Tensor              # [C, K]
     dt_bias: Tensor
     ssm_a: Tensor
@@ -47,7 +48,7 @@ class Net(qwen3moe.Net):
     Args = ModelArgs
     # GDN variants: the output gate's activation, and which K head a V head
     # reads (grouped: j // (Hv / Hk); tiled: j mod Hk)
-    gdn_gate = staticmethod(F.silu)
+    gdn_sigmoid = False       # output gate silu(z) (sigmoid(z): qwen4exp)
     gdn_tiled = False
 
     def load_layer(self, il: int) -> qwen3moe.Layer:
@@ -81,7 +82,15 @@ class Net(qwen3moe.Net):
             beta = self.dense(p + "ssm_beta.weight", nv, a.n_embd)
             alpha = self.dense(p + "ssm_alpha.weight", nv, a.n_embd)
         conv = self.vec(p + "ssm_conv1d.weight", a.conv_dim * a.conv_kernel).view(a.conv_dim, a.conv_kernel)
-        return GDN(qkv=qkv, z=z, b=beta, a=alpha, conv=conv.contiguous(), dt_bias=self.vec(p + "ssm_dt.bias", nv), ssm_a=self.vec(p + "ssm_a", nv),
+        proj = W.concat([qkv, z, beta, alpha], p + "ssm_proj")
+        if proj is not None:    # the four as row views of one product
+            off = 0
+            views = []
+            for mat in (qkv, z, beta, alpha):
+                views.append(W.DenseMatrix(mat.name, mat.qtype, proj.data[off:off + mat.n_out], mat.n_out, mat.n_in))
+                off += mat.n_out
+            qkv, z, beta, alpha = views
+        return GDN(qkv=qkv, z=z, b=beta, a=alpha, proj=proj, conv=conv.contiguous(), dt_bias=self.vec(p + "ssm_dt.bias", nv), ssm_a=self.vec(p + "ssm_a", nv),
                    norm=self.vec(p + "ssm_norm.weight", dk),
                    out=self.dense(p + "ssm_out.weight", a.n_embd, value_dim))
 
@@ -108,44 +117,32 @@ class Net(qwen3moe.Net):
         super().alloc(state)
         a, b = self.args, state.bufs
         f32 = dict(dtype=torch.float32, device=self.device)
-        b.gqkv = torch.zeros(1, a.conv_dim, **f32)
-        b.gz = torch.zeros(1, a.n_v_heads * a.d_state, **f32)
-        b.gb = torch.zeros(1, a.n_v_heads, **f32)
-        b.ga = torch.zeros(1, a.n_v_heads, **f32)
-        b.go = torch.zeros(1, a.n_v_heads * a.d_state, **f32)
+        c, nz, nv = a.conv_dim, a.n_v_heads * a.d_state, a.n_v_heads
+        b.gproj = torch.zeros(1, c + nz + 2 * nv, **f32)          # qkv | z | beta | alpha
+        b.gqkv, b.gz = b.gproj[:, :c], b.gproj[:, c:c + nz]
+        b.gb, b.ga = b.gproj[:, c + nz:c + nz + nv], b.gproj[:, c + nz + nv:]
+        b.gconv = torch.zeros(1, c, **f32)
+        b.go = torch.zeros(1, nz, **f32)
 
-    def gdn(self, m: GDN, il: int, state) -> None:
-        """b.xn -> b.attn_out for one token of a GDN layer."""
+    def gdn(self, m: GDN, il: int, state, ops) -> None:
+        """b.xn -> b.attn_out for one token of a GDN layer: the projections
+        (one product when q|k|v, z, beta and alpha share a type), then the
+        conv, delta rule, norm and gate in one op (``gdn_step``)."""
         a, b = self.args, state.bufs
         impl = self.impl(state)
-        dk, nk, nv = a.d_state, a.n_k_heads, a.n_v_heads
-        m.qkv.matvec(b.xn, b.gqkv, impl)
-        m.z.matvec(b.xn, b.gz, impl)
-        m.b.matvec(b.xn, b.gb, impl)
-        m.a.matvec(b.xn, b.ga, impl)
-        beta = torch.sigmoid(b.gb)
-        g = F.softplus(b.ga + m.dt_bias) * m.ssm_a
-        conv_state, ssm = state.kv[il]
-        conv, new_conv = Lr.causal_conv1d(b.gqkv, conv_state, m.conv)
-        conv_state.copy_(new_conv)
-        conv = F.silu(conv)
-        q = conv[:, :dk * nk].view(1, nk, dk)
-        k = conv[:, dk * nk:2 * dk * nk].view(1, nk, dk)
-        v = conv[:, 2 * dk * nk:].view(1, nv, dk)
-        if self.gdn_tiled:
-            q = Lr.l2_norm(q, a.eps).repeat(1, nv // nk, 1)
-            k = Lr.l2_norm(k, a.eps).repeat(1, nv // nk, 1)
+        if m.proj is not None:
+            m.proj.matvec(b.xn, b.gproj, impl)
         else:
-            q = Lr.l2_norm(q, a.eps)[:, :, None].expand(1, nk, nv // nk, dk).reshape(1, nv, dk)
-            k = Lr.l2_norm(k, a.eps)[:, :, None].expand(1, nk, nv // nk, dk).reshape(1, nv, dk)
-        o, s = Lr.gdn_recurrent(q, k, v, g, beta, ssm)
-        ssm.copy_(s)
-        o = Lr.rms_norm(o, m.norm, a.eps) * self.gdn_gate(b.gz.view(1, nv, dk))
-        b.go.copy_(o.reshape(1, -1))
+            for mat, out in ((m.qkv, b.gqkv), (m.z, b.gz), (m.b, b.gb), (m.a, b.ga)):
+                mat.matvec(b.xn, out, impl)
+        conv_state, ssm = state.kv[il]
+        ops.gdn_step(b.gqkv.view(-1), b.gz.view(-1), b.gb.view(-1), b.ga.view(-1), conv_state, m.conv, m.dt_bias,
+                     m.ssm_a, ssm, m.norm, a.eps, a.n_k_heads, self.gdn_tiled, self.gdn_sigmoid, b.gconv.view(-1),
+                     b.go.view(-1))
         m.out.matvec(b.go, b.attn_out.view(1, -1), impl)
 
     def mix(self, L: qwen3moe.Layer, il: int, state, ops) -> None:
         if isinstance(L.mixer, GDN):
-            self.gdn(L.mixer, il, state)
+            self.gdn(L.mixer, il, state, ops)
         else:
             self.attention(L.mixer, il, state, ops)

@@ -142,7 +142,7 @@ class HostTable:
 
 class Net(qwen3next.Net):
     Args = ModelArgs
-    gdn_gate = staticmethod(torch.sigmoid)
+    gdn_sigmoid = True
     gdn_tiled = True            # V head j reads K head j mod Hk (the converter's order)
 
     def __init__(self, gguf, weights_view, device: torch.device, fast: bool):
@@ -214,23 +214,22 @@ class Net(qwen3next.Net):
 
     @property
     def dense_bytes(self) -> int:
-        seen: set[int] = set()
+        """Bytes of every matrix and vector on the device (shared storage once)."""
+        found: list = []
 
-        def walk(o) -> int:
-            if isinstance(o, W.DenseMatrix):
-                if id(o) in seen:
-                    return 0
-                seen.add(id(o))
-                return o.nbytes
-            if isinstance(o, Tensor):
-                return o.numel() * o.element_size()
-            if isinstance(o, (list, tuple)):
-                return sum(walk(x) for x in o)
-            if is_dataclass(o):
-                return sum(walk(getattr(o, f.name)) for f in fields(o) if f.name != "layout")
-            return 0
+        def walk(o) -> None:
+            if isinstance(o, (W.DenseMatrix, Tensor)):
+                found.append(o if isinstance(o, W.DenseMatrix) else W.DenseMatrix("", GGMLType.F32, o, 0, 0))
+            elif isinstance(o, (list, tuple)):
+                for x in o:
+                    walk(x)
+            elif is_dataclass(o):
+                for f in fields(o):
+                    if f.name != "layout":
+                        walk(getattr(o, f.name))
 
-        return walk(self.layers) + walk([self.output, self.tok_embd, self.output_hc])
+        walk([self.layers, self.output, self.tok_embd, self.output_hc])
+        return W.unique_bytes(found)
 
     # state and buffers ---------------------------------------------------------------
     def new_caches(self, ctx: int, k_dtype, v_dtype) -> list:
@@ -328,7 +327,7 @@ class Net(qwen3next.Net):
 
     def mix(self, L: Layer, il: int, state, ops) -> None:
         if isinstance(L.mixer, qwen3next.GDN):
-            self.gdn(L.mixer, il, state)
+            self.gdn(L.mixer, il, state, ops)
         else:
             self.attention(L.mixer.attn if isinstance(L.mixer, QSA) else L.mixer, il, state, ops)
 

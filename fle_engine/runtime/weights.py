@@ -106,6 +106,16 @@ def dense(gguf, name: str, device, n_out: int, n_in: int, *, fast_needed: bool, 
     return DenseMatrix(name, qt, data.to(device), n_out, n_in)
 
 
+def unique_bytes(mats) -> int:
+    """Bytes of the matrices' storage, each storage once (row views of a
+    concatenated matrix share it)."""
+    seen = {}
+    for m in mats:
+        st = m.data.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 def concat(mats: list[DenseMatrix], name: str) -> "DenseMatrix | None":
     """Row-concatenation of matrices of one quant type (q, k, v as one
     product), or None when their types differ."""
