@@ -5,10 +5,11 @@ and gated delta net layers.
 
 A GDN layer's projections are products of the quantized kernels on the
 GGUF bytes (``ssm_ba`` and a legacy ``ssm_in`` are split by moving whole
-rows); the short convolution and the recurrent delta rule for one token
-are the reference pass's own static-shape torch blocks
-(:func:`fle_engine.layers.causal_conv1d`, :func:`~fle_engine.layers.gdn_recurrent`),
-run on state tensors the step owns, so they replay inside the graph.
+rows; q|k|v, z, beta and alpha are one product when their types agree);
+the short convolution, the one-token delta rule, the norm and the output
+gate are one op (``gdn_step``: the reference pass's static torch blocks on
+the reference side, two Triton kernels on the fast side), run on state
+tensors the step owns, so they replay inside the graph.
 Semantics as :mod:`fle_engine.models.qwen3next`.
 """
 from __future__ import annotations
@@ -17,12 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from fle_quant.errors import FleError
 
-from .. import layers as Lr
 from ..models.qwen3next import ModelArgs
 from . import qwen3moe
 from . import weights as W

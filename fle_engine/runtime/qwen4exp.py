@@ -1,10 +1,9 @@
 """qwen4exp on the engine: one decode token per step with the arithmetic of
 the reference pass (:mod:`fle_engine.models.qwen4exp`).
 
-What it reuses: qwen3next's GDN layers (projections on the GGUF bytes,
-the short convolution and the one-token delta rule as static torch blocks;
-here with separate ``ssm_beta`` / ``ssm_alpha``, the sigmoid output gate and
-tiled V->K heads), its gated attention, and qwen3moe's routed experts with
+What it reuses: qwen3next's GDN layers (projections on the GGUF bytes as
+one product, then ``gdn_step``; here with separate ``ssm_beta`` /
+``ssm_alpha``, the sigmoid output gate and tiled V->K heads), its gated attention, and qwen3moe's routed experts with
 the expert cache plus the gated shared expert on the GPU.
 
 What it adds:
