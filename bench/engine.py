@@ -6,7 +6,8 @@ with the same GPU bytes for routed experts, in one run.
 
 Steps: build upstream's ``llama-bench`` (CUDA, sm_90 by default), write the
 benchmark files with the factory's fast mode (Qwen3-30B-A3B shape: 48
-layers, 128 experts, 8 used, IQ4_XS experts, Q8_0 dense), then per file:
+layers, 128 experts, 8 used, IQ4_XS experts, Q8_0 dense; or ``--shape``
+80b-a3b, qwen4exp-scaled), then per file:
 
 - upstream with the experts of 1/3 of the layers on the GPU (``-ncmoe``
   for the other 2/3: llama.cpp's CPU runs those experts), and with
@@ -54,6 +55,19 @@ SHAPES = {
         attention_head_count_kv=2, attention_key_length=256, ssm_state_size=128, ssm_group_count=16,
         ssm_time_step_rank=32, ssm_conv_kernel=4, context_length=262144, vocab_size=151936),
         rules=[(r"\.ffn_(gate|up|down)_exps\.weight$", "IQ4_XS")], mix="q8_0"),
+    # qwen4exp scaled to a 64 GB disk: 48 layers (3 GDN + 1 QSA), HC 4, PLE (16 heads of ~1 M rows), 512 experts,
+    # 10 used, a shared expert; widths reduced (2560 -> 1536, experts 640 -> 512): 32 GiB. One file of the shape
+    # is kept at a time (the previous routing's is removed before the next is written).
+    "qwen4exp-scaled": dict(arch="qwen4exp", one_file=True, overrides=dict(
+        block_count=48, embedding_length=1536, expert_count=512, expert_used_count=10,
+        expert_feed_forward_length=512, expert_shared_feed_forward_length=512, attention_head_count=12,
+        attention_head_count_kv=2, attention_key_length=256, ssm_state_size=128, ssm_group_count=16,
+        ssm_time_step_rank=32, ssm_conv_kernel=4, hyper_connection_count=4, hyper_connection_low_rank=192,
+        attention_indexer_head_count=4, attention_indexer_key_length=128, attention_indexer_top_k=2048,
+        rope_dimension_count=64, ple_heads_per_ngram=8, ple_head_vocab_sizes="primes:16:1000000",
+        context_length=262144, vocab_size=248320),
+        rules=[(r"\.ffn_(gate|up|down)_exps\.weight$", "IQ4_XS"), (r"^per_layer_token_embd\.weight$", "IQ4_NL")],
+        mix="q8_0", mtp="none"),
     # a small shape for trying the script on any machine
     "tiny": dict(arch="qwen3moe", overrides=dict(
         block_count=8, embedding_length=512, expert_count=32, expert_used_count=4, expert_feed_forward_length=256,
@@ -132,11 +146,40 @@ def build_llama_bench(src: Path, work: Path, arch: str = "90") -> Path:
 
 
 def upstream_decode(exe: Path, model: Path, n_cpu_moe: int, n_gen: int, threads: int, reps: int) -> float:
+    """Upstream's decode tok/s; a run that fails (e.g. a graph that cannot load the file) raises
+    :class:`UpstreamFailed` with the last lines of its output."""
     cmd = [str(exe), "-m", str(model), "-ngl", "99", "-ncmoe", str(n_cpu_moe), "-t", str(threads), "-p", "0",
            "-n", str(n_gen), "-r", str(reps), "-lm", "none", "-o", "json"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    rows = json.loads(out.stdout)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        rows = json.loads(out.stdout) if out.returncode == 0 else None
+    except json.JSONDecodeError:
+        rows = None
+    if not rows:
+        tail = " | ".join((out.stderr or out.stdout or "").strip().splitlines()[-3:])
+        raise UpstreamFailed(f"upstream could not load {model.name} (exit {out.returncode}): {tail}")
     return float(rows[0]["avg_ts"])
+
+
+class UpstreamFailed(RuntimeError):
+    pass
+
+
+def shape_overrides(o: dict) -> dict:
+    """The factory overrides of a shape; ``"primes:N:START"`` is the N primes from START."""
+    from fle_quant.synth.common import prime_at_least
+
+    out = dict(o)
+    for k, v in o.items():
+        if isinstance(v, str) and v.startswith("primes:"):
+            _, n, v0 = v.split(":")
+            vals, p = [], int(v0)
+            while len(vals) < int(n):
+                p = prime_at_least(p)
+                vals.append(p)
+                p += 1
+            out[k] = vals
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -286,9 +329,13 @@ def main(argv=None) -> int:
         curve = {f"{f:.3f}": round(simulate_hit_rate(skew, n_exp, n_used, f), 3) for f in REPORT_CURVE}
         path = args.work / f"{args.shape}-skew{skew:.3f}.gguf"
         if not path.exists():
+            if shape.get("one_file"):
+                for old in args.work.glob(f"{args.shape}-skew*.gguf"):
+                    old.unlink()
             t0 = time.time()
+            extra = {"mtp": shape["mtp"]} if "mtp" in shape else {}
             make_fast_model(path, shape["arch"], seed=0, mix=shape["mix"], rules=shape["rules"], routing_skew=skew,
-                            progress=False, **o)
+                            progress=False, **extra, **shape_overrides(o))
             print(f"wrote {path.name} ({path.stat().st_size / 2**30:.1f} GiB) in {time.time() - t0:.0f} s", flush=True)
         with GGUFModel.open(path) as g:
             exp_bytes = sum(t.n_bytes for t in g.tensors.values() if "_exps." in t.name)
@@ -296,9 +343,14 @@ def main(argv=None) -> int:
         row = {"routing": routing, "skew": skew, "simulated_curve": curve, "report_curve": {
             f"{f:.3f}": v for f, v in REPORT_CURVE.items()}, "expert_bytes": exp_bytes, "budget": budget}
         if exe is not None:
-            row["upstream_tok_s"] = upstream_decode(exe, path, n_layer - gpu_layers, args.n_gen, args.threads,
-                                                    args.reps)
-            print(f"[{routing}] upstream -ncmoe {n_layer - gpu_layers}: {row['upstream_tok_s']:.1f} tok/s", flush=True)
+            try:
+                row["upstream_tok_s"] = upstream_decode(exe, path, n_layer - gpu_layers, args.n_gen, args.threads,
+                                                        args.reps)
+                print(f"[{routing}] upstream -ncmoe {n_layer - gpu_layers}: {row['upstream_tok_s']:.1f} tok/s",
+                      flush=True)
+            except UpstreamFailed as e:
+                row["upstream_error"] = str(e)
+                print(f"[{routing}] {e}", flush=True)
         row["fle_split"] = {}
         for split in args.miss_split.split(","):
             f = row["fle_split"][split] = fle_decode(path, budget, args.n_gen, args.reps, miss_split=split)
@@ -307,20 +359,20 @@ def main(argv=None) -> int:
                   f"{f['misses_per_token']:.1f} misses/token ({f['cpu_misses_per_token']:.1f} on the CPU, "
                   f"{f['cpu_busy_ms_per_token']:.2f} ms/token CPU busy), host {f['host_policy_ms_per_token']:.3f} "
                   f"ms/token policy + {f['host_launch_ms_per_token']:.3f} launch", flush=True)
-            if exe is not None:
+            if "upstream_tok_s" in row:
                 f["ratio"] = f["tok_s"] / row["upstream_tok_s"]
                 print(f"[{routing}] ratio FLE (misses {split}) / upstream = {f['ratio']:.2f}", flush=True)
         best = max(row["fle_split"], key=lambda k: row["fle_split"][k]["tok_s"])
         row["fle"] = f = row["fle_split"][best]
-        if exe is not None:
+        if "upstream_tok_s" in row:
             row["ratio"] = f["tok_s"] / row["upstream_tok_s"]
             print(f"[{routing}] best: misses {best}, ratio FLE / upstream = {row['ratio']:.2f}", flush=True)
         if not args.no_all_gpu and routing == args.routing.split(",")[0]:
-            if exe is not None:
+            if "upstream_tok_s" in row:
                 row["upstream_all_gpu_tok_s"] = upstream_decode(exe, path, 0, args.n_gen, args.threads, args.reps)
             row["fle_all_gpu"] = fle_decode(path, exp_bytes * 2, args.n_gen, args.reps)
             msg = f"[all on the GPU] FLE {row['fle_all_gpu']['tok_s']:.1f} tok/s"
-            if exe is not None:
+            if "upstream_tok_s" in row:
                 row["all_gpu_ratio"] = row["fle_all_gpu"]["tok_s"] / row["upstream_all_gpu_tok_s"]
                 msg += f", upstream {row['upstream_all_gpu_tok_s']:.1f}, ratio {row['all_gpu_ratio']:.2f}"
             print(msg, flush=True)

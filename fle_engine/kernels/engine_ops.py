@@ -20,6 +20,23 @@ Signatures (both sides; outputs written in place):
   head_dim, n_rot, q_out, k_cache, v_cache)``
 - ``attention(q, k_cache, v_cache, pos, scale, out, partial, ml)``
 - ``embed_row(table, qtype, tok, out)``
+- ``attention(..., keep, ratio)``: only the positions p whose block
+  ``keep[p // ratio]`` is set count (sparse attention)
+- ``hc_write_norm(res, parts, inject, n_streams, weight, eps, out)``: the
+  hyper-connection write ``res[s] += 2 sigmoid(inject[s] / S) * sum(parts)``
+  (skipped when ``parts`` is None) and the per-stream RMSNorm times the
+  [S, D] gamma into ``out``
+- ``gdn_step(qkv, z, b, a, conv_state, conv_w, dt_bias, ssm_a, ssm, norm,
+  eps, n_k, tiled, sigmoid_gate, conv_out, out)``: one token of a gated
+  delta net layer after its projections: causal conv + silu (state
+  shifted in place), L2-normed q/k (V head j reads K head j mod Hk when
+  ``tiled``, else j // (Hv / Hk)), the delta rule on ``ssm`` [Hv, Dv, Dk]
+  in place, RMSNorm times ``norm`` and the output gate (sigmoid or silu of
+  ``z``) into ``out``
+- ``hc_mix(xn, gate, out)``: ``out = mean_s(xn[s] * sigmoid(gate[s]))``
+- ``gather_rows(table, qtype, host_delta, rows, out)``: rows ``rows`` of a
+  quantized table, concatenated; the fast side reads them from host memory
+  at ``host_delta`` words from ``table`` (zero-copy)
 - ``post_misses(split, il, xn, ids, wts, slot_of, serial)`` and
   ``wait_misses(split, il, ids, slot_of, serial, out)``: the CPU's share of
   a layer's misses (:mod:`fle_engine.runtime.split`); the reference computes
@@ -157,19 +174,70 @@ def qk_rope_kv_ref(qkv: Tensor, q_norm, k_norm, eps: float, cos: Tensor, sin: Te
 
 
 def attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
-                  partial=None, ml=None) -> None:
+                  partial=None, ml=None, keep: "Tensor | None" = None, ratio: int = 0) -> None:
     n_kv, _, dh = k_cache.shape
     length = int(pos.reshape(-1)[0]) + 1
     qh = q.view(n_kv, -1, dh).float()                                  # [Hkv, G, Dh]
     k = k_cache[:, :length].float()
     v = v_cache[:, :length].float()
-    probs = torch.softmax(torch.matmul(qh, k.transpose(1, 2)) * scale, dim=-1)
+    scores = torch.matmul(qh, k.transpose(1, 2)) * scale
+    if keep is not None:
+        kept = keep.to(torch.bool)[torch.arange(length, device=keep.device) // ratio]
+        scores = scores.masked_fill(~kept.to(scores.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
     out.copy_(torch.matmul(probs, v).reshape(-1))
 
 
 def embed_row_ref(table: Tensor, qtype: GGMLType, tok: Tensor, out: Tensor) -> None:
     t = int(tok.reshape(-1)[0])
     out.copy_(dequantize_weights(table[t:t + 1].cpu(), qtype)[0].to(out.device))
+
+
+def gdn_step_ref(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, conv_state: Tensor, conv_w: Tensor, dt_bias: Tensor,
+                 ssm_a: Tensor, ssm: Tensor, norm: Tensor, eps: float, n_k: int, tiled: bool, sigmoid_gate: bool,
+                 conv_out: Tensor, out: Tensor) -> None:
+    from .. import layers as Lr
+
+    nv, dv, dk = ssm.shape
+    nk = n_k
+    beta = torch.sigmoid(b.view(1, nv))
+    g = F.softplus(a.view(1, nv) + dt_bias) * ssm_a
+    conv, new_conv = Lr.causal_conv1d(qkv.view(1, -1), conv_state, conv_w)
+    conv_state.copy_(new_conv)
+    conv = F.silu(conv)
+    conv_out.copy_(conv.view(-1))
+    q = conv[:, :dk * nk].view(1, nk, dk)
+    k = conv[:, dk * nk:2 * dk * nk].view(1, nk, dk)
+    v = conv[:, 2 * dk * nk:].view(1, nv, dv)
+    if tiled:
+        q = Lr.l2_norm(q, eps).repeat(1, nv // nk, 1)
+        k = Lr.l2_norm(k, eps).repeat(1, nv // nk, 1)
+    else:
+        q = Lr.l2_norm(q, eps)[:, :, None].expand(1, nk, nv // nk, dk).reshape(1, nv, dk)
+        k = Lr.l2_norm(k, eps)[:, :, None].expand(1, nk, nv // nk, dk).reshape(1, nv, dk)
+    o, st = Lr.gdn_recurrent(q, k, v, g, beta, ssm)
+    ssm.copy_(st)
+    gate = torch.sigmoid if sigmoid_gate else F.silu
+    o = Lr.rms_norm(o, norm, eps) * gate(z.view(1, nv, dv))
+    out.copy_(o.reshape(-1))
+
+
+def hc_write_norm_ref(res: Tensor, parts: "Tensor | None", inject: "Tensor | None", n_streams: int, weight: Tensor,
+                      eps: float, out: Tensor) -> None:
+    if parts is not None:
+        w = 2.0 * torch.sigmoid(inject.reshape(-1, 1) / n_streams)
+        res += w * parts.sum(1)
+    out.copy_(res * torch.rsqrt(res.pow(2).mean(-1, keepdim=True) + eps) * weight)
+
+
+def hc_mix_ref(xn: Tensor, gate: Tensor, out: Tensor) -> None:
+    out.copy_((xn * torch.sigmoid(gate.view_as(xn))).mean(0).view_as(out))
+
+
+def gather_rows_ref(table: Tensor, qtype: GGMLType, host_delta: int, rows: Tensor, out: Tensor) -> None:
+    idx = rows.reshape(-1).cpu()
+    vals = dequantize_weights(table[idx], qtype)
+    out.copy_(vals.reshape(-1).to(out.device))
 
 
 # ---------------------------------------------------------------------------
@@ -181,12 +249,14 @@ def _fast():
 
     return SimpleNamespace(experts=te.experts, route_topk=te.route_topk, add_rmsnorm=te.add_rmsnorm,
                            qk_rope_kv=te.qk_rope_kv, attention=te.attention, embed_row=te.embed_row,
-                           post_misses=te.post_misses, wait_misses=te.wait_misses)
+                           hc_write_norm=te.hc_write_norm, hc_mix=te.hc_mix, gather_rows=te.gather_rows,
+                           gdn_step=te.gdn_step, post_misses=te.post_misses, wait_misses=te.wait_misses)
 
 
 REFERENCE = SimpleNamespace(experts=experts_ref, route_topk=route_topk_ref, add_rmsnorm=add_rmsnorm_ref,
                             qk_rope_kv=qk_rope_kv_ref, attention=attention_ref, embed_row=embed_row_ref,
-                            post_misses=post_misses_ref, wait_misses=wait_misses_ref)
+                            hc_write_norm=hc_write_norm_ref, hc_mix=hc_mix_ref, gather_rows=gather_rows_ref,
+                            gdn_step=gdn_step_ref, post_misses=post_misses_ref, wait_misses=wait_misses_ref)
 
 # name -> (reference, fast) ; the fast side is filled on first use (it imports triton)
 OPS: dict[str, tuple] = {name: (getattr(REFERENCE, name), None) for name in vars(REFERENCE)}

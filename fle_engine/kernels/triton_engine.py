@@ -24,7 +24,17 @@ synchronisation and replays as a CUDA graph.
 - :func:`attention`: decode attention over the used length only (read
   from the device): a fixed number of splits per KV head, each looping over
   its share of the positions, then one reduction; the cost follows the
-  length, not the allocated context.
+  length, not the allocated context; with a block mask (QSA) only the
+  kept blocks' positions count.
+- :func:`hc_write_norm`, :func:`hc_mix`: the hyper-connection arithmetic
+  (write with its sigmoid weights plus the next per-stream norm; the
+  gated mean of the streams).
+- :func:`gdn_step`: one token of a gated delta net layer after its
+  projections, in two launches: the causal conv with silu (its state
+  shifted in place), then per V head the L2 norms, the delta rule on the
+  head's [Dv, Dk] state, the RMSNorm and the output gate.
+- :func:`gather_rows`: rows of a quantized table read from page-locked
+  host memory (the PLE table), decoded into float32.
 """
 from __future__ import annotations
 
@@ -39,7 +49,8 @@ from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 
 from .triton_quant import _FORMATS, _decode, _lut, _value_index
 
-__all__ = ["experts", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv", "attention", "embed_row", "ATTN_SPLITS"]
+__all__ = ["experts", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv", "attention",
+           "embed_row", "hc_write_norm", "hc_mix", "gather_rows", "gdn_step", "ATTN_SPLITS"]
 
 ATTN_SPLITS = 32
 
@@ -395,8 +406,9 @@ def qk_rope_kv(qkv: Tensor, q_norm: "Tensor | None", k_norm: "Tensor | None", ep
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, n_pos, scale, group,
-                       GP: tl.constexpr, DH: tl.constexpr, BLOCK_P: tl.constexpr, N_SPLIT: tl.constexpr):
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, keep_ptr, ratio, n_pos, scale, group,
+                       GP: tl.constexpr, DH: tl.constexpr, BLOCK_P: tl.constexpr, N_SPLIT: tl.constexpr,
+                       HAS_KEEP: tl.constexpr):
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
     length = tl.load(pos_ptr).to(tl.int32) + 1
@@ -419,8 +431,12 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, n_pos, scale
         off = p.to(tl.int64)[:, None] * DH + d[None, :]
         kt = tl.load(kbase + off, mask=pm[:, None], other=0.0).to(tl.float32)
         s = tl.sum(q[:, None, :] * kt[None, :, :], axis=2) * scale
+        if HAS_KEEP:
+            pm = pm & (tl.load(keep_ptr + p // ratio, mask=pm, other=0) != 0)
         s = tl.where(pm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if HAS_KEEP:    # a chunk with no kept position leaves m at -inf
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_new)
         pr = tl.exp(s - m_new[:, None])
         vt = tl.load(vbase + off, mask=pm[:, None], other=0.0).to(tl.float32)
@@ -453,17 +469,20 @@ def _attn_reduce_kernel(o_ptr, ml_ptr, out_ptr, group, GP: tl.constexpr, DH: tl.
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
-              partial: Tensor, ml: Tensor) -> None:
+              partial: Tensor, ml: Tensor, keep: "Tensor | None" = None, ratio: int = 0) -> None:
     """Decode attention of one token: ``q`` float32 [H Dh] against positions
     0..pos of ``k_cache``/``v_cache`` [Hkv, P, Dh] -> ``out`` [H Dh].
     ``partial`` float32 [Hkv * ATTN_SPLITS * GP, Dh] and ``ml`` float32
     [Hkv * ATTN_SPLITS * GP, 2] are scratch (GP: query heads per KV head,
-    rounded up to a power of two)."""
+    rounded up to a power of two). ``keep`` (int32 [ceil(P / ratio)], on the
+    device): only positions whose block of ``ratio`` is kept count."""
     n_kv, n_pos, dh = k_cache.shape
     group = q.numel() // dh // n_kv
     gp = triton.next_power_of_2(group)
-    _attn_split_kernel[(n_kv, ATTN_SPLITS)](q, k_cache, v_cache, pos, partial, ml, n_pos, float(scale), group,
-                                            GP=gp, DH=dh, BLOCK_P=16, N_SPLIT=ATTN_SPLITS, num_warps=4)
+    _attn_split_kernel[(n_kv, ATTN_SPLITS)](q, k_cache, v_cache, pos, partial, ml, pos if keep is None else keep,
+                                            max(1, int(ratio)), n_pos, float(scale), group,
+                                            GP=gp, DH=dh, BLOCK_P=16, N_SPLIT=ATTN_SPLITS, HAS_KEEP=keep is not None,
+                                            num_warps=4)
     _attn_reduce_kernel[(n_kv * group,)](partial, ml, out, group, GP=gp, DH=dh, N_SPLIT=ATTN_SPLITS, num_warps=2)
 
 
@@ -500,3 +519,160 @@ def embed_row(table: Tensor, qtype: GGMLType, tok: Tensor, out: Tensor) -> None:
     _embed_kernel[(triton.cdiv(n_blocks, fmt.blocks_per_chunk),)](
         words, _lut(qtype, fmt, table), tok, out, n_blocks * values, n_blocks, table.shape[1] // words.element_size(),
         QTYPE=int(qtype), A=a, B=b, C=c, num_warps=1)
+
+
+# ---------------------------------------------------------------------------
+# hyper-connections
+
+
+@triton.jit
+def _hc_write_norm_kernel(res_ptr, parts_ptr, inj_ptr, w_ptr, out_ptr, n, eps, inv_streams,
+                          N_PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    s = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(res_ptr + s * n + offs, mask=m, other=0.0)
+    if N_PARTS > 0:
+        y = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in tl.static_range(N_PARTS):
+            y += tl.load(parts_ptr + i * n + offs, mask=m, other=0.0)
+        inj = tl.load(inj_ptr + s)
+        x += 2.0 / (1.0 + tl.exp(-inj * inv_streams)) * y
+        tl.store(res_ptr + s * n + offs, x, mask=m)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    w = tl.load(w_ptr + s * n + offs, mask=m, other=0.0)
+    tl.store(out_ptr + s * n + offs, x * r * w, mask=m)
+
+
+def hc_write_norm(res: Tensor, parts: "Tensor | None", inject: "Tensor | None", n_streams: int, weight: Tensor,
+                  eps: float, out: Tensor) -> None:
+    """The hyper-connection write and the next read's norm in one kernel:
+    ``res`` [S, D] (in place) += 2 sigmoid(``inject`` [S] / S) * the sum of
+    ``parts`` [1, P, D]; ``out`` [S, D] = per-stream RMSNorm(res) * ``weight``
+    [S, D]."""
+    s, n = res.shape
+    n_parts = 0 if parts is None else parts.shape[1]
+    _hc_write_norm_kernel[(s,)](res, res if parts is None else parts, res if inject is None else inject, weight, out,
+                                n, float(eps), 1.0 / n_streams, N_PARTS=n_parts, BLOCK=triton.next_power_of_2(n),
+                                num_warps=8)
+
+
+@triton.jit
+def _hc_mix_kernel(xn_ptr, g_ptr, out_ptr, n, S: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(S):
+        x = tl.load(xn_ptr + s * n + offs, mask=m, other=0.0)
+        g = tl.load(g_ptr + s * n + offs, mask=m, other=0.0)
+        acc += x / (1.0 + tl.exp(-g))
+    tl.store(out_ptr + offs, acc / S, mask=m)
+
+
+def hc_mix(xn: Tensor, gate: Tensor, out: Tensor) -> None:
+    """The block input of a hyper-connection read: ``out`` [D] = mean over
+    the S streams of ``xn`` [S, D] * sigmoid(``gate``, S * D values)."""
+    s, n = xn.shape
+    block = 1024
+    _hc_mix_kernel[(triton.cdiv(n, block),)](xn, gate, out, n, S=s, BLOCK=block, num_warps=4)
+
+
+# ---------------------------------------------------------------------------
+# rows of a quantized table in host memory
+
+
+@triton.jit
+def _gather_rows_kernel(wv, lut_ptr, rows_ptr, x_ptr, host_delta, n_in, n_blocks, row_words,
+                        QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    h = tl.program_id(0)
+    kc = tl.program_id(1)
+    row = tl.load(rows_ptr + h).to(tl.int64)
+    row_w = host_delta + row * row_words + tl.zeros([1], dtype=tl.int64)
+    w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)   # [1, A, B, C]
+    k = kc * (A * B * C) + _value_index(QTYPE, A, B, C)
+    tl.store(x_ptr + h * n_in + k[None, :, :, :], w, mask=(k < n_in)[None, :, :, :])
+
+
+def gather_rows(table: Tensor, qtype: GGMLType, host_delta: int, rows: Tensor, out: Tensor) -> None:
+    """``out`` float32 [R * D] = rows ``rows`` (int64 [R] on the device) of a
+    quantized table whose raw rows ``table`` uint8 [V, row_bytes] sit
+    ``host_delta`` words (the format's word) from ``table``'s address: a
+    page-locked host copy read by the GPU directly (0: ``table`` itself)."""
+    fmt = _FORMATS[qtype]
+    values, size = BLOCK_GEOMETRY[qtype]
+    n_blocks = table.shape[1] // size
+    words = table.view(fmt.word)
+    a, b, c = fmt.tile
+    _gather_rows_kernel[(rows.numel(), triton.cdiv(n_blocks, fmt.blocks_per_chunk))](
+        words, _lut(qtype, fmt, table), rows, out, int(host_delta), n_blocks * values, n_blocks,
+        table.shape[1] // words.element_size(), QTYPE=int(qtype), A=a, B=b, C=c, num_warps=1)
+
+
+# ---------------------------------------------------------------------------
+# gated delta net, one token
+
+
+@triton.jit
+def _gdn_conv_kernel(x_ptr, state_ptr, w_ptr, y_ptr, n_ch, K: tl.constexpr, BLOCK: tl.constexpr):
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = c < n_ch
+    x = tl.load(x_ptr + c, mask=m, other=0.0)
+    acc = x * tl.load(w_ptr + c * K + (K - 1), mask=m, other=0.0)
+    for i in tl.static_range(K - 1):
+        si = tl.load(state_ptr + i * n_ch + c, mask=m, other=0.0)
+        acc += si * tl.load(w_ptr + c * K + i, mask=m, other=0.0)
+        if i > 0:
+            tl.store(state_ptr + (i - 1) * n_ch + c, si, mask=m)
+    tl.store(state_ptr + (K - 2) * n_ch + c, x, mask=m)
+    tl.store(y_ptr + c, acc / (1.0 + tl.exp(-acc)), mask=m)
+
+
+@triton.jit
+def _gdn_rule_kernel(conv_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, ssma_ptr, s_ptr, norm_ptr, out_ptr, eps, n_k, ratio,
+                     DK: tl.constexpr, DV: tl.constexpr, TILED: tl.constexpr, SIGMOID: tl.constexpr):
+    j = tl.program_id(0)
+    n_v = n_k * ratio
+    kh = j % n_k if TILED else j // ratio
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    q = tl.load(conv_ptr + kh * DK + dk)
+    k = tl.load(conv_ptr + n_k * DK + kh * DK + dk)
+    v = tl.load(conv_ptr + 2 * n_k * DK + j * DV + dv)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps) * (1.0 / tl.sqrt(DK * 1.0))
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + j)))
+    ga = tl.load(a_ptr + j) + tl.load(dtb_ptr + j)
+    sp = tl.where(ga > 20.0, ga, tl.log(1.0 + tl.exp(tl.minimum(ga, 20.0))))     # softplus (threshold 20)
+    decay = tl.exp(sp * tl.load(ssma_ptr + j))
+    offs = j.to(tl.int64) * DV * DK + dv[:, None] * DK + dk[None, :]
+    st = tl.load(s_ptr + offs) * decay                                   # [DV, DK]
+    sk = tl.sum(st * k[None, :], axis=1)
+    d = (v - sk) * beta
+    st = st + d[:, None] * k[None, :]
+    tl.store(s_ptr + offs, st)
+    o = tl.sum(st * q[None, :], axis=1)                                  # [DV]
+    o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * tl.load(norm_ptr + dv)
+    z = tl.load(z_ptr + j * DV + dv)
+    if SIGMOID:
+        gz = 1.0 / (1.0 + tl.exp(-z))
+    else:
+        gz = z / (1.0 + tl.exp(-z))
+    tl.store(out_ptr + j * DV + dv, o * gz)
+
+
+def gdn_step(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, conv_state: Tensor, conv_w: Tensor, dt_bias: Tensor,
+             ssm_a: Tensor, ssm: Tensor, norm: Tensor, eps: float, n_k: int, tiled: bool, sigmoid_gate: bool,
+             conv_out: Tensor, out: Tensor) -> None:
+    """One token of a gated delta net layer after its projections (see
+    :mod:`.engine_ops`): ``qkv`` [C], ``z`` [Hv Dv], ``b``/``a`` [Hv] the raw
+    beta/alpha projections, ``conv_state`` float32 [K-1, C] and ``ssm``
+    float32 [Hv, Dv, Dk] updated in place, ``conv_out`` [C] scratch, ``out``
+    [Hv Dv]."""
+    n_ch = qkv.numel()
+    k_taps = conv_w.shape[1]
+    nv, dv, dk = ssm.shape
+    block = 1024
+    _gdn_conv_kernel[(triton.cdiv(n_ch, block),)](qkv, conv_state, conv_w, conv_out, n_ch, K=k_taps, BLOCK=block,
+                                                  num_warps=4)
+    _gdn_rule_kernel[(nv,)](conv_out, z, b, a, dt_bias, ssm_a, ssm, norm, out, float(eps), n_k, nv // n_k,
+                            DK=dk, DV=dv, TILED=bool(tiled), SIGMOID=bool(sigmoid_gate), num_warps=8)

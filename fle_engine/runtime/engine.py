@@ -34,7 +34,7 @@ from ..expert_cache import CachePolicy, Profile, load_profile, model_fingerprint
 from ..kernels import engine_ops
 from ..layers import rope_table
 from ..loader import Weights
-from . import qwen3moe, qwen3next
+from . import qwen3moe, qwen3next, qwen4exp
 from .cache import ExpertCache
 from .split import SHARE_ONE, MissSplit, cpu_experts, parse_split
 from .split import cpu_threads as split_threads
@@ -42,7 +42,7 @@ from .weights import HostExperts
 
 __all__ = ["Engine", "RunStats", "ARCHS", "KV_TYPES", "parse_budget"]
 
-ARCHS = {"qwen3moe": qwen3moe, "qwen3next": qwen3next}
+ARCHS = {"qwen3moe": qwen3moe, "qwen3next": qwen3next, "qwen4exp": qwen4exp}
 KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 PROFILE_EVERY_S = 600.0
 _RING = 8

@@ -62,9 +62,7 @@ class Net:
         self.expert_sources: dict[int, list] = {}
         self.layers = [self.load_layer(il) for il in range(self.args.n_layer)]
         a = self.args
-        self.output_norm = W.vector(gguf, "output_norm.weight", device, a.n_embd)
-        head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
-        self.output = self.dense(head, a.n_vocab, a.n_embd)
+        self.load_head()
         self.tok_embd = self.dense("token_embd.weight", a.n_vocab, a.n_embd)
         self.layouts = {il: L.moe.layout for il, L in enumerate(self.layers)}
         self.gguf = None
@@ -75,6 +73,13 @@ class Net:
 
     def vec(self, name: str, n: int) -> Tensor:
         return W.vector(self.gguf, name, self.device, n)
+
+    def load_head(self) -> None:
+        """The final norm and the output matrix (the embedding when tied)."""
+        a = self.args
+        self.output_norm = self.vec("output_norm.weight", a.n_embd)
+        head = "output.weight" if "output.weight" in self.gguf.tensors else "token_embd.weight"
+        self.output = self.dense(head, a.n_vocab, a.n_embd)
 
     def load_layer(self, il: int) -> Layer:
         p, a = f"blk.{il}.", self.args
@@ -123,12 +128,13 @@ class Net:
     @property
     def dense_bytes(self) -> int:
         mats = [self.output] + ([self.tok_embd] if self.tok_embd is not self.output else [])
-        n = sum(m.nbytes for m in mats)
+        n = 0
         for L in self.layers:
-            n += sum(m.nbytes for m in vars(L.mixer).values() if isinstance(m, W.DenseMatrix))
-            n += sum(m.nbytes for ms in vars(L.mixer).values() if isinstance(ms, list) for m in ms)
-            n += L.moe.router.numel() * 4 + sum(m.nbytes for m in (L.moe.shared or ()))
-        return n
+            mats += [m for m in vars(L.mixer).values() if isinstance(m, W.DenseMatrix)]
+            mats += [m for ms in vars(L.mixer).values() if isinstance(ms, list) for m in ms]
+            n += L.moe.router.numel() * 4
+            mats += list(L.moe.shared or ())
+        return n + W.unique_bytes(mats)
 
     # state and buffers ---------------------------------------------------------------
     def new_caches(self, ctx: int, k_dtype, v_dtype) -> list:
@@ -192,13 +198,20 @@ class Net:
             for m in at.parts:
                 m.matvec(b.xn, b.qkv[:, off:off + m.n_out], impl)
                 off += m.n_out
-        kc, vc = state.kv[il]
+        kc, vc = state.kv[il][:2]
         ops.qk_rope_kv(b.qkv[0, :nq + 2 * nkv], at.q_norm, at.k_norm, a.eps, state.rope_cos, state.rope_sin, state.pos,
                        a.n_head, a.n_head_kv, hd, a.n_rot, b.q, kc, vc)
-        ops.attention(b.q, kc, vc, state.pos, getattr(a, "attn_scale", hd ** -0.5), b.o.view(-1), b.partial, b.ml)
+        self.attend(at, il, state, ops)
         if at.gated:
             b.o.mul_(torch.sigmoid(b.qkv[:, nq + 2 * nkv:2 * nq + 2 * nkv]))
         at.wo.matvec(b.o, b.attn_out.view(1, -1), impl)
+
+    def attend(self, at: Attn, il: int, state, ops) -> None:
+        """b.q (normed, rotated) over the layer's KV cache -> b.o."""
+        a, b = self.args, state.bufs
+        kc, vc = state.kv[il][:2]
+        ops.attention(b.q, kc, vc, state.pos, getattr(a, "attn_scale", a.head_dim ** -0.5), b.o.view(-1), b.partial,
+                      b.ml)
 
     def moe(self, m: Moe, il: int, state, ops, cache) -> None:
         """b.xn -> b.y [1, K (+1), D]: the weighted routed experts (and the

@@ -5,10 +5,11 @@ and gated delta net layers.
 
 A GDN layer's projections are products of the quantized kernels on the
 GGUF bytes (``ssm_ba`` and a legacy ``ssm_in`` are split by moving whole
-rows); the short convolution and the recurrent delta rule for one token
-are the reference pass's own static-shape torch blocks
-(:func:`fle_engine.layers.causal_conv1d`, :func:`~fle_engine.layers.gdn_recurrent`),
-run on state tensors the step owns, so they replay inside the graph.
+rows; q|k|v, z, beta and alpha are one product when their types agree);
+the short convolution, the one-token delta rule, the norm and the output
+gate are one op (``gdn_step``: the reference pass's static torch blocks on
+the reference side, two Triton kernels on the fast side), run on state
+tensors the step owns, so they replay inside the graph.
 Semantics as :mod:`fle_engine.models.qwen3next`.
 """
 from __future__ import annotations
@@ -17,12 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from fle_quant.errors import FleError
 
-from .. import layers as Lr
 from ..models.qwen3next import ModelArgs
 from . import qwen3moe
 from . import weights as W
@@ -36,6 +35,7 @@ class GDN:
     z: W.DenseMatrix
     b: W.DenseMatrix          # beta rows, V-head order
     a: W.DenseMatrix          # alpha rows, V-head order
+    proj: "W.DenseMatrix | None"   # rows qkv | z | b | a as one matrix (the four are views of it), or None
     conv: Tensor              # [C, K]
     dt_bias: Tensor
     ssm_a: Tensor
@@ -45,6 +45,10 @@ class GDN:
 
 class Net(qwen3moe.Net):
     Args = ModelArgs
+    # GDN variants: the output gate's activation, and which K head a V head
+    # reads (grouped: j // (Hv / Hk); tiled: j mod Hk)
+    gdn_sigmoid = False       # output gate silu(z) (sigmoid(z): qwen4exp)
+    gdn_tiled = False
 
     def load_layer(self, il: int) -> qwen3moe.Layer:
         p, a = f"blk.{il}.", self.args
@@ -68,20 +72,31 @@ class Net(qwen3moe.Net):
             z = self.dense(p + "ssm_in.weight", value_dim, a.n_embd, rows=per[:, 2 * dk + r * dk:].reshape(-1))
         else:
             raise FleError(f"{g.paths[0]}: GDN layer {il} has neither attn_qkv.weight nor ssm_in.weight")
-        # per K head [beta (r), alpha (r)] -> all betas, then all alphas, in V-head order
-        ba = np.arange(2 * nv).reshape(nk, 2 * r)
+        if p + "ssm_ba.weight" in g.tensors:
+            # per K head [beta (r), alpha (r)] -> all betas, then all alphas, in V-head order
+            ba = np.arange(2 * nv).reshape(nk, 2 * r)
+            beta = self.dense(p + "ssm_ba.weight", nv, a.n_embd, rows=ba[:, :r].reshape(-1))
+            alpha = self.dense(p + "ssm_ba.weight", nv, a.n_embd, rows=ba[:, r:].reshape(-1))
+        else:   # separate projections (qwen4exp)
+            beta = self.dense(p + "ssm_beta.weight", nv, a.n_embd)
+            alpha = self.dense(p + "ssm_alpha.weight", nv, a.n_embd)
         conv = self.vec(p + "ssm_conv1d.weight", a.conv_dim * a.conv_kernel).view(a.conv_dim, a.conv_kernel)
-        return GDN(qkv=qkv, z=z,
-                   b=self.dense(p + "ssm_ba.weight", nv, a.n_embd, rows=ba[:, :r].reshape(-1)),
-                   a=self.dense(p + "ssm_ba.weight", nv, a.n_embd, rows=ba[:, r:].reshape(-1)),
-                   conv=conv.contiguous(), dt_bias=self.vec(p + "ssm_dt.bias", nv), ssm_a=self.vec(p + "ssm_a", nv),
+        proj = W.concat([qkv, z, beta, alpha], p + "ssm_proj")
+        if proj is not None:    # the four as row views of one product
+            off = 0
+            views = []
+            for mat in (qkv, z, beta, alpha):
+                views.append(W.DenseMatrix(mat.name, mat.qtype, proj.data[off:off + mat.n_out], mat.n_out, mat.n_in))
+                off += mat.n_out
+            qkv, z, beta, alpha = views
+        return GDN(qkv=qkv, z=z, b=beta, a=alpha, proj=proj, conv=conv.contiguous(), dt_bias=self.vec(p + "ssm_dt.bias", nv), ssm_a=self.vec(p + "ssm_a", nv),
                    norm=self.vec(p + "ssm_norm.weight", dk),
                    out=self.dense(p + "ssm_out.weight", a.n_embd, value_dim))
 
     def new_caches(self, ctx: int, k_dtype, v_dtype) -> list:
         a, dev = self.args, self.device
         out = []
-        for rec in a.recurrent:
+        for rec in a.recurrent[:a.n_layer]:
             if rec:
                 out.append((torch.zeros(a.conv_kernel - 1, a.conv_dim, dtype=torch.float32, device=dev),
                             torch.zeros(a.n_v_heads, a.d_state, a.d_state, dtype=torch.float32, device=dev)))
@@ -101,40 +116,32 @@ class Net(qwen3moe.Net):
         super().alloc(state)
         a, b = self.args, state.bufs
         f32 = dict(dtype=torch.float32, device=self.device)
-        b.gqkv = torch.zeros(1, a.conv_dim, **f32)
-        b.gz = torch.zeros(1, a.n_v_heads * a.d_state, **f32)
-        b.gb = torch.zeros(1, a.n_v_heads, **f32)
-        b.ga = torch.zeros(1, a.n_v_heads, **f32)
-        b.go = torch.zeros(1, a.n_v_heads * a.d_state, **f32)
+        c, nz, nv = a.conv_dim, a.n_v_heads * a.d_state, a.n_v_heads
+        b.gproj = torch.zeros(1, c + nz + 2 * nv, **f32)          # qkv | z | beta | alpha
+        b.gqkv, b.gz = b.gproj[:, :c], b.gproj[:, c:c + nz]
+        b.gb, b.ga = b.gproj[:, c + nz:c + nz + nv], b.gproj[:, c + nz + nv:]
+        b.gconv = torch.zeros(1, c, **f32)
+        b.go = torch.zeros(1, nz, **f32)
 
-    def gdn(self, m: GDN, il: int, state) -> None:
-        """b.xn -> b.attn_out for one token of a GDN layer."""
+    def gdn(self, m: GDN, il: int, state, ops) -> None:
+        """b.xn -> b.attn_out for one token of a GDN layer: the projections
+        (one product when q|k|v, z, beta and alpha share a type), then the
+        conv, delta rule, norm and gate in one op (``gdn_step``)."""
         a, b = self.args, state.bufs
         impl = self.impl(state)
-        dk, nk, nv = a.d_state, a.n_k_heads, a.n_v_heads
-        m.qkv.matvec(b.xn, b.gqkv, impl)
-        m.z.matvec(b.xn, b.gz, impl)
-        m.b.matvec(b.xn, b.gb, impl)
-        m.a.matvec(b.xn, b.ga, impl)
-        beta = torch.sigmoid(b.gb)
-        g = F.softplus(b.ga + m.dt_bias) * m.ssm_a
+        if m.proj is not None:
+            m.proj.matvec(b.xn, b.gproj, impl)
+        else:
+            for mat, out in ((m.qkv, b.gqkv), (m.z, b.gz), (m.b, b.gb), (m.a, b.ga)):
+                mat.matvec(b.xn, out, impl)
         conv_state, ssm = state.kv[il]
-        conv, new_conv = Lr.causal_conv1d(b.gqkv, conv_state, m.conv)
-        conv_state.copy_(new_conv)
-        conv = F.silu(conv)
-        q = conv[:, :dk * nk].view(1, nk, dk)
-        k = conv[:, dk * nk:2 * dk * nk].view(1, nk, dk)
-        v = conv[:, 2 * dk * nk:].view(1, nv, dk)
-        q = Lr.l2_norm(q, a.eps)[:, :, None].expand(1, nk, nv // nk, dk).reshape(1, nv, dk)
-        k = Lr.l2_norm(k, a.eps)[:, :, None].expand(1, nk, nv // nk, dk).reshape(1, nv, dk)
-        o, s = Lr.gdn_recurrent(q, k, v, g, beta, ssm)
-        ssm.copy_(s)
-        o = Lr.rms_norm(o, m.norm, a.eps) * F.silu(b.gz.view(1, nv, dk))
-        b.go.copy_(o.reshape(1, -1))
+        ops.gdn_step(b.gqkv.view(-1), b.gz.view(-1), b.gb.view(-1), b.ga.view(-1), conv_state, m.conv, m.dt_bias,
+                     m.ssm_a, ssm, m.norm, a.eps, a.n_k_heads, self.gdn_tiled, self.gdn_sigmoid, b.gconv.view(-1),
+                     b.go.view(-1))
         m.out.matvec(b.go, b.attn_out.view(1, -1), impl)
 
     def mix(self, L: qwen3moe.Layer, il: int, state, ops) -> None:
         if isinstance(L.mixer, GDN):
-            self.gdn(L.mixer, il, state)
+            self.gdn(L.mixer, il, state, ops)
         else:
             self.attention(L.mixer, il, state, ops)

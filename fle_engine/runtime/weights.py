@@ -106,6 +106,16 @@ def dense(gguf, name: str, device, n_out: int, n_in: int, *, fast_needed: bool, 
     return DenseMatrix(name, qt, data.to(device), n_out, n_in)
 
 
+def unique_bytes(mats) -> int:
+    """Bytes of the matrices' storage, each storage once (row views of a
+    concatenated matrix share it)."""
+    seen = {}
+    for m in mats:
+        st = m.data.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 def concat(mats: list[DenseMatrix], name: str) -> "DenseMatrix | None":
     """Row-concatenation of matrices of one quant type (q, k, v as one
     product), or None when their types differ."""
@@ -182,6 +192,19 @@ def _cudart():
     return torch.cuda.cudart()
 
 
+def pin_host(buf: np.ndarray, what: str, why: str) -> None:
+    """Page-lock ``buf`` and map it for the GPU: cudaHostRegister (portable
+    | mapped), so the pages stay resident and the GPU reads them by their
+    host address (torch's pinned allocator would round the size up to a
+    power of two). Undo with ``cudaHostUnregister`` before freeing."""
+    err = _cudart().cudaHostRegister(buf.ctypes.data, buf.nbytes, 3)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        raise FleError(f"cannot page-lock {buf.nbytes / 2**30:.1f} GiB of host memory for {what} "
+                       f"(cudaHostRegister error {code}); raise the locked-memory limit (ulimit -l) or free "
+                       f"RAM; {why}")
+
+
 class HostExperts:
     """Every layer's routed experts in one host buffer (page-locked on CUDA).
 
@@ -207,14 +230,7 @@ class HostExperts:
             self._pin()
 
     def _pin(self) -> None:
-        # cudaHostRegister (portable | mapped): the pages stay resident and the GPU reads them by their
-        # host address; torch's pinned allocator would round the size up to a power of two
-        err = _cudart().cudaHostRegister(self.buf.ctypes.data, self.buf.nbytes, 3)
-        code = int(getattr(err, "value", err))
-        if code != 0:
-            raise FleError(f"cannot page-lock {self.nbytes / 2**30:.1f} GiB of host memory for the routed experts "
-                           f"(cudaHostRegister error {code}); raise the locked-memory limit (ulimit -l) or free "
-                           f"RAM; misses are read by the GPU from page-locked memory")
+        pin_host(self.buf, "the routed experts", "misses are read by the GPU from page-locked memory")
         self.pinned = True
 
     def close(self) -> None:

@@ -1,0 +1,407 @@
+"""qwen4exp on the engine: one decode token per step with the arithmetic of
+the reference pass (:mod:`fle_engine.models.qwen4exp`).
+
+What it reuses: qwen3next's GDN layers (projections on the GGUF bytes as
+one product, then ``gdn_step``; here with separate ``ssm_beta`` /
+``ssm_alpha``, the sigmoid output gate and tiled V->K heads), its gated attention, and qwen3moe's routed experts with
+the expert cache plus the gated shared expert on the GPU.
+
+What it adds:
+
+- hyper-connections: the residual is ``S`` streams [S, D] on the device. A
+  read is the low-rank gate product pair and the inject product on the
+  normed streams plus one kernel for the gated mean (``hc_mix``); a write
+  and the next read's per-stream norm are one kernel (``hc_write_norm``),
+  the sigmoid write weights computed inside it.
+- QSA: the indexer's raw key of every position is cached, and so is the
+  pooled, normed, rotated key of every block of ``ratio`` positions; the
+  step refreshes only the block that holds the current position (a block
+  counts once it is complete, so it is final when it first counts). Block
+  scores over every block of the allocated context (static shapes), a
+  stable descending sort (ties go to the earlier block, as the reference),
+  the kept blocks plus the incomplete tail as an int32 block mask, and the
+  length-aware attention kernel skipping positions of blocks not kept: its
+  cost follows the used length; the scoring and the sort follow the
+  allocated blocks (``ctx / ratio``).
+- PLE: the n-gram rows of the current token are hashed on the device from
+  the token history kept there, and read by the GPU straight from the table
+  in page-locked host memory (``gather_rows``, zero-copy; only the
+  ``heads`` rows of the token cross PCIe). The dilated conv's history and
+  the token history are device state, reset per sequence.
+
+The step has no host synchronisation and is captured as one CUDA graph by
+:class:`~fle_engine.runtime.Engine`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, is_dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fle_quant.errors import FleError
+from fle_quant.ggml_types import GGMLType
+
+from .. import layers as Lr
+from ..kernels import engine_ops
+from ..models.qwen4exp import ModelArgs
+from . import qwen3moe, qwen3next
+from . import weights as W
+
+ARCH = "qwen4exp"
+
+
+@dataclass
+class HC:
+    """One hyper-connection read: gamma [S, D], low-rank gate (down, up) and
+    the inject rows (None for the head's mixer)."""
+    norm: Tensor
+    down: W.DenseMatrix
+    up: W.DenseMatrix
+    inject: "W.DenseMatrix | None"
+
+
+@dataclass
+class QSA:
+    attn: qwen3moe.Attn
+    iqk: W.DenseMatrix            # rows: indexer q (Hi * Di) | indexer k (Di), or None (types differ)
+    parts: "list[W.DenseMatrix] | None"
+    q_norm: Tensor
+    k_norm: Tensor
+    ratio: int
+    n_kept: int
+
+
+@dataclass
+class PLE:
+    kv: "W.DenseMatrix | None"    # rows: key (S * D) | value (D), or None (types differ)
+    parts: "list[W.DenseMatrix] | None"
+    norm_key: Tensor              # [S, D]
+    norm_query: Tensor
+    norm_conv: Tensor
+    conv: Tensor                  # [S * D, K]
+    mult: Tensor                  # int64 [ngram]
+    sizes: Tensor                 # int64 [heads]
+    offsets: Tensor
+
+
+@dataclass
+class Layer:
+    hc_attn: HC
+    mixer: object                 # qwen3next.GDN | QSA | qwen3moe.Attn (dense attention)
+    hc_ffn: HC
+    moe: qwen3moe.Moe
+    ple: "PLE | None" = None
+
+
+class HostTable:
+    """A quantized table's raw rows in one host buffer (page-locked on
+    CUDA), read once from the file; ``anchor`` is a one-row device tensor
+    from which the fast kernel addresses the buffer (``delta`` words)."""
+
+    def __init__(self, gguf, name: str, device: torch.device, pin: bool):
+        info = gguf.info(name)
+        self.qtype = GGMLType(info.qtype)
+        raw = gguf.tensor_bytes(name).reshape(info.shape[-1], -1)
+        self.buf = np.empty(raw.shape, np.uint8)
+        self.buf[:] = raw
+        self.host = torch.from_numpy(self.buf)
+        self.pinned = False
+        if pin:
+            W.pin_host(self.buf.reshape(-1), f"the PLE table ({name})",
+                       "the GPU reads the rows of each token from page-locked memory")
+            self.pinned = True
+        self.anchor = torch.zeros(1, self.buf.shape[1], dtype=torch.uint8, device=device)
+        self.delta = 0
+        if self.qtype in engine_ops.WORDS:
+            word = engine_ops.WORDS[self.qtype].itemsize
+            d = self.buf.ctypes.data - self.anchor.data_ptr()
+            if d % word:
+                raise FleError("internal: the PLE table is not word-aligned")
+            self.delta = d // word
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.nbytes
+
+    def close(self) -> None:
+        if self.pinned:
+            W._cudart().cudaHostUnregister(self.buf.ctypes.data)
+            self.pinned = False
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class Net(qwen3next.Net):
+    Args = ModelArgs
+    gdn_sigmoid = True
+    gdn_tiled = True            # V head j reads K head j mod Hk (the converter's order)
+
+    def __init__(self, gguf, weights_view, device: torch.device, fast: bool):
+        self.ple_table = None
+        super().__init__(gguf, weights_view, device, fast)
+
+    # loading -----------------------------------------------------------------------
+    def load_head(self) -> None:
+        a, g = self.args, self.gguf
+        for il in range(a.n_layer):
+            if a.compress[il] and a.recurrent[il]:
+                raise FleError(f"{g.paths[0]}: layer {il} is a GDN layer with a QSA compress ratio; the engine "
+                               f"runs QSA on attention layers only")
+        self.output_hc = self.load_hc("output_hc_", inject=False)
+        head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+        self.output = self.dense(head, a.n_vocab, a.n_embd)
+        if a.ple_layer >= 0:
+            name = "per_layer_token_embd.weight"
+            info = g.info(name)
+            rows = max(o + s for o, s in zip(a.ple_offsets, a.ple_vocab_sizes))
+            if info.shape[0] != a.ple_head_dim or info.shape[1] < rows:
+                raise FleError(f"{g.paths[0]}: {name} is {list(info.shape)} (ggml order); the PLE keys need "
+                               f"[{a.ple_head_dim}, >= {rows}]")
+            if self.fast and GGMLType(info.qtype) not in engine_ops.WORDS:
+                raise FleError(f"{g.paths[0]}: tensor {name!r} is {GGMLType(info.qtype).name}, which the engine "
+                               f"has no fast GPU row reader for (fast: "
+                               f"{', '.join(t.name for t in engine_ops.WORDS)}); run it with --device cpu (the "
+                               f"reference path) or requantize the table (fle-requant)")
+            self.ple_table = HostTable(g, name, self.device, pin=self.device.type == "cuda")
+
+    def load_hc(self, prefix: str, inject: bool) -> HC:
+        a = self.args
+        s, d, r = a.hc, a.n_embd, a.hc_rank
+        return HC(self.vec(prefix + "norm.weight", s * d).view(s, d).contiguous(),
+                  self.dense(prefix + "down.weight", r, s * d), self.dense(prefix + "up.weight", s * d, r),
+                  self.dense(prefix + "inject.weight", s, s * d) if inject else None)
+
+    def load_layer(self, il: int) -> Layer:
+        p, a = f"blk.{il}.", self.args
+        if a.recurrent[il]:
+            mixer = self.load_gdn(il)
+        else:
+            attn = self.load_attention(il, gated=True)
+            mixer = self.load_qsa(il, attn) if a.compress[il] else attn
+        return Layer(self.load_hc(p + "hc_attn_", True), mixer, self.load_hc(p + "hc_ffn_", True),
+                     self.load_moe(il, shared=True), self.load_ple(il) if il == a.ple_layer else None)
+
+    def load_qsa(self, il: int, attn: qwen3moe.Attn) -> QSA:
+        p, a = f"blk.{il}.", self.args
+        hi, di = a.idx_heads, a.idx_dim
+        parts = [self.dense(p + "indexer.q_proj.weight", hi * di, a.n_embd),
+                 self.dense(p + "indexer.k_proj.weight", di, a.n_embd)]
+        iqk = W.concat(parts, p + "indexer.qk")
+        return QSA(attn, iqk, None if iqk is not None else parts, self.vec(p + "indexer.q_norm.weight", di),
+                   self.vec(p + "indexer.k_norm.weight", di), a.compress[il], max(1, a.idx_top_k // a.compress[il]))
+
+    def load_ple(self, il: int) -> PLE:
+        p, a = f"blk.{il}.", self.args
+        s, d = a.hc, a.n_embd
+        parts = [self.dense(p + "ple_key.weight", s * d, d), self.dense(p + "ple_value.weight", d, d)]
+        kv = W.concat(parts, p + "ple_kv")
+        conv = self.vec(p + "ple_conv1d.weight", s * d * a.ple_conv_kernel).view(s * d, a.ple_conv_kernel)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        return PLE(kv, None if kv is not None else parts,
+                   *(self.vec(p + f"ple_norm_{n}.weight", s * d).view(s, d).contiguous()
+                     for n in ("key", "query", "conv")),
+                   conv.contiguous(), torch.tensor(a.ple_multipliers, **i64),
+                   torch.tensor(a.ple_vocab_sizes, **i64), torch.tensor(a.ple_offsets, **i64))
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of every matrix and vector on the device (shared storage once)."""
+        found: list = []
+
+        def walk(o) -> None:
+            if isinstance(o, (W.DenseMatrix, Tensor)):
+                found.append(o if isinstance(o, W.DenseMatrix) else W.DenseMatrix("", GGMLType.F32, o, 0, 0))
+            elif isinstance(o, (list, tuple)):
+                for x in o:
+                    walk(x)
+            elif is_dataclass(o):
+                for f in fields(o):
+                    if f.name != "layout":
+                        walk(getattr(o, f.name))
+
+        walk([self.layers, self.output, self.tok_embd, self.output_hc])
+        return W.unique_bytes(found)
+
+    # state and buffers ---------------------------------------------------------------
+    def new_caches(self, ctx: int, k_dtype, v_dtype) -> list:
+        a, dev = self.args, self.device
+        out = super().new_caches(ctx, k_dtype, v_dtype)
+        for il in range(a.n_layer):
+            r = a.compress[il]
+            if r and not a.recurrent[il]:
+                n_blk = -(-ctx // r)
+                # raw indexer keys per position, and the pooled block keys
+                out[il] = out[il] + (torch.zeros(n_blk * r, a.idx_dim, dtype=k_dtype, device=dev),
+                                     torch.zeros(n_blk, a.idx_dim, dtype=torch.float32, device=dev))
+        return out
+
+    def reset(self, state) -> None:
+        """A new sequence: recurrent states from zero; the PLE history reads
+        EOS before the start. (Raw indexer keys and block keys are
+        addressed by position and count only once written.)"""
+        super().reset(state)
+        b = state.bufs
+        if getattr(b, "ple_tok", None) is not None:
+            b.ple_tok.fill_(self.args.ple_eos)
+            b.ple_hist.zero_()
+
+    def alloc(self, state) -> None:
+        super().alloc(state)
+        a, b = self.args, state.bufs
+        f32 = dict(dtype=torch.float32, device=self.device)
+        s, d = a.hc, a.n_embd
+        b.res = torch.zeros(s, d, **f32)            # the S streams
+        b.hxn = torch.zeros(s, d, **f32)            # the streams normed for the next read
+        b.hlo = torch.zeros(1, a.hc_rank, **f32)
+        b.hact = torch.zeros(1, a.hc_rank, **f32)
+        b.hg = torch.zeros(1, s * d, **f32)
+        b.hinj = torch.zeros(1, s, **f32)
+        if any(a.compress[il] and not a.recurrent[il] for il in range(a.n_layer)):
+            b.iqk = torch.zeros(1, (a.idx_heads + 1) * a.idx_dim, **f32)
+            n_blk = max(c[3].shape[0] for c in state.kv if len(c) == 4)
+            b.blocks = torch.arange(n_blk, device=self.device)
+            b.keep = torch.zeros(n_blk, dtype=torch.int32, device=self.device)
+        b.ple_tok = None
+        if a.ple_layer >= 0:
+            b.ple_tok = torch.full((a.ple_ngram - 1,), a.ple_eos, dtype=torch.int64, device=self.device)
+            b.ple_hist = torch.zeros(a.ple_hist, s * d, **f32)
+            b.ple_rows = torch.zeros(a.ple_heads, dtype=torch.int64, device=self.device)
+            b.ple_emb = torch.zeros(1, d, **f32)
+            b.ple_kv = torch.zeros(1, s * d + d, **f32)
+
+    # hyper-connections -----------------------------------------------------------------
+    def hc_read(self, hc: HC, state, ops) -> None:
+        """b.hxn (the normed streams) -> b.xn (block input) and b.hinj (raw
+        inject logits; the write takes 2 sigmoid(. / S))."""
+        b, impl, s = state.bufs, self.impl(state), self.args.hc
+        flat = b.hxn.view(1, -1)
+        hc.down.matvec(flat, b.hlo, impl)
+        if hc.inject is not None:
+            hc.inject.matvec(flat, b.hinj, impl)
+        torch.mul(b.hlo, 1.0 / s, out=b.hact)
+        F.silu(b.hact, inplace=True)
+        hc.up.matvec(b.hact, b.hg, impl)
+        ops.hc_mix(b.hxn, b.hg, b.xn.view(-1))
+
+    # QSA -------------------------------------------------------------------------------
+    def attend(self, at, il: int, state, ops) -> None:
+        m = self.layers[il].mixer
+        if not isinstance(m, QSA):
+            return super().attend(at, il, state, ops)
+        a, b = self.args, state.bufs
+        impl = self.impl(state)
+        hi, di, r = a.idx_heads, a.idx_dim, m.ratio
+        if m.iqk is not None:
+            m.iqk.matvec(b.xn, b.iqk, impl)
+        else:
+            m.parts[0].matvec(b.xn, b.iqk[:, :hi * di], impl)
+            m.parts[1].matvec(b.xn, b.iqk[:, hi * di:], impl)
+        kc, vc, raw, kb = state.kv[il]
+        pos = state.pos
+        raw.index_copy_(0, pos, b.iqk[:, hi * di:].to(raw.dtype))
+        # the block holding pos: pooled (mean), normed, rotated at its first position
+        blk = torch.div(pos, r, rounding_mode="floor")
+        pooled = Lr.rms_norm(raw.view(-1, r, di).index_select(0, blk).float().mean(1), m.k_norm, a.eps)
+        start = blk * r
+        kb.index_copy_(0, blk, Lr.apply_rope_neox(pooled[:, None], state.rope_cos.index_select(0, start),
+                                                  state.rope_sin.index_select(0, start))[:, 0])
+        q = Lr.rms_norm(b.iqk[:, :hi * di].view(1, hi, di), m.q_norm, a.eps)
+        q = Lr.apply_rope_neox(q, state.rope_cos.index_select(0, pos), state.rope_sin.index_select(0, pos))[0]
+        score = torch.relu(kb @ q.T).sum(-1)                           # [NB]
+        tail = b.blocks >= torch.div(pos + 1, r, rounding_mode="floor")   # not complete at pos
+        score = score.masked_fill(tail, float("-inf"))
+        top, which = torch.sort(score, descending=True, stable=True)
+        k = min(m.n_kept, score.shape[0])
+        chosen = torch.zeros_like(tail).scatter(0, which[:k], top[:k] > float("-inf"))
+        torch.bitwise_or(chosen, tail, out=b.keep)
+        ops.attention(b.q, kc, vc, pos, a.attn_scale, b.o.view(-1), b.partial, b.ml, keep=b.keep, ratio=r)
+
+    def mix(self, L: Layer, il: int, state, ops) -> None:
+        if isinstance(L.mixer, qwen3next.GDN):
+            self.gdn(L.mixer, il, state, ops)
+        else:
+            self.attention(L.mixer.attn if isinstance(L.mixer, QSA) else L.mixer, il, state, ops)
+
+    # PLE -------------------------------------------------------------------------------
+    def ple_rows(self, p: PLE, state) -> None:
+        """The table rows of the current token's n-grams -> b.ple_rows;
+        advances the token history."""
+        a, b = self.args, state.bufs
+        n, eos = a.ple_ngram, a.ple_eos
+        seq = torch.cat([b.ple_tok, state.tok.view(1)])               # oldest first, current last
+        prev = seq[:n - 1].flip(0)                                    # predecessors, nearest first
+        cut = torch.cummax((prev == eos).to(torch.int64), 0).values.bool()   # an EOS at or after it cuts
+        ctx = torch.cat([seq[n - 1:], torch.where(cut, torch.full_like(prev, eos), prev)]) * p.mult
+        mixed = [ctx[0]]
+        for j in range(1, n):
+            mixed.append(torch.bitwise_xor(mixed[-1], ctx[j]))
+        per = a.ple_heads_per_ngram
+        hashes = torch.stack(mixed[1:])[:, None].expand(n - 1, per).reshape(-1)   # [heads], bigram heads first
+        torch.add(torch.remainder(hashes, p.sizes), p.offsets, out=b.ple_rows)
+        b.ple_tok.copy_(seq[1:])
+
+    def ple(self, p: PLE, state, ops) -> None:
+        """res += gated + silu(dilated conv of the normed gated values)."""
+        a, b = self.args, state.bufs
+        impl, s, d = self.impl(state), a.hc, a.n_embd
+        self.ple_rows(p, state)
+        t = self.ple_table
+        if state.fast:
+            ops.gather_rows(t.anchor, t.qtype, t.delta, b.ple_rows, b.ple_emb.view(-1))
+        else:
+            ops.gather_rows(t.host, t.qtype, 0, b.ple_rows, b.ple_emb.view(-1))
+        if p.kv is not None:
+            p.kv.matvec(b.ple_emb, b.ple_kv, impl)
+        else:
+            p.parts[0].matvec(b.ple_emb, b.ple_kv[:, :s * d], impl)
+            p.parts[1].matvec(b.ple_emb, b.ple_kv[:, s * d:], impl)
+        key = Lr.rms_norm(b.ple_kv[0, :s * d].view(s, d), p.norm_key, a.eps)
+        query = Lr.rms_norm(b.res, p.norm_query, a.eps)
+        score = (key * query).sum(-1, keepdim=True) / math.sqrt(d)    # [S, 1]
+        gate = torch.sigmoid(torch.sign(score) * score.abs().clamp(min=1e-6).sqrt())
+        gated = b.ple_kv[:, s * d:] * gate                            # [S, D]
+        normed = Lr.rms_norm(gated, p.norm_conv, a.eps).view(1, s * d)
+        hist, k_taps, dil = b.ple_hist, a.ple_conv_kernel, a.ple_ngram
+        full = torch.cat([hist, normed], 0)                           # [(K-1) dil + 1, S D]
+        n_hist = hist.shape[0]
+        y = full[n_hist] * p.conv[:, k_taps - 1]
+        for k in range(k_taps - 1):
+            y = y + full[n_hist - (k_taps - 1 - k) * dil] * p.conv[:, k]
+        hist.copy_(full[1:])
+        b.res.add_(gated + F.silu(y).view(s, d))
+
+    # the step --------------------------------------------------------------------------
+    def embed(self, state, ops) -> None:
+        super().embed(state, ops)
+        b = state.bufs
+        b.res.copy_(b.x.expand_as(b.res))                              # S copies of the embedding
+
+    def head(self, state, ops) -> None:
+        self.hc_read(self.output_hc, state, ops)
+        super().head(state, ops)
+
+    def step(self, state, ops, cache) -> None:
+        a, b = self.args, state.bufs
+        s = a.hc
+        self.embed(state, ops)
+        ops.hc_write_norm(b.res, None, None, s, self.layers[0].hc_attn.norm, a.eps, b.hxn)
+        for il, L in enumerate(self.layers):
+            if L.ple is not None:
+                self.ple(L.ple, state, ops)
+                ops.hc_write_norm(b.res, None, None, s, L.hc_attn.norm, a.eps, b.hxn)
+            self.hc_read(L.hc_attn, state, ops)
+            self.mix(L, il, state, ops)
+            ops.hc_write_norm(b.res, b.attn_out, b.hinj, s, L.hc_ffn.norm, a.eps, b.hxn)
+            self.hc_read(L.hc_ffn, state, ops)
+            self.moe(L.moe, il, state, ops, cache)
+            nxt = self.layers[il + 1].hc_attn.norm if il + 1 < len(self.layers) else self.output_hc.norm
+            ops.hc_write_norm(b.res, self.moe_parts(L.moe, state), b.hinj, s, nxt, a.eps, b.hxn)
+        self.head(state, ops)
