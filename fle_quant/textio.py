@@ -88,28 +88,38 @@ def parse_json(raw: bytes, label: str, what: str) -> Any:
             raise FleError(f"{label}: an integer with {len(text)} digits; a {what} holds no numbers that large")
         return int(text)
 
-    def bad_float(text: str) -> float:
-        v = float(text)
-        if not math.isfinite(v):
-            raise FleError(f"{label}: the number {text[:40]} is out of range; give finite numbers")
-        return v
-
-    def bad_constant(text: str):
-        raise FleError(f"{label}: {text} is not a number JSON allows; give finite numbers")
 
     depth = _depth(raw)
     if depth > MAX_JSON_DEPTH:
         raise FleError(f"{label}: nested {depth} levels deep, more than a {what} ever is ({MAX_JSON_DEPTH}); "
                        "give the right file")
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(label), parse_int=bad_int,
-                          parse_float=bad_float, parse_constant=bad_constant)
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(label), parse_int=bad_int)
     except UnicodeDecodeError:
         raise FleError(f"{label}: not a {what} (not UTF-8 text)") from None
     except json.JSONDecodeError as e:
         raise FleError(f"{label}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:
         raise FleError(f"{label}: nested too deeply; give the right file") from None
+    where = _non_finite(obj)
+    if where is not None:
+        raise FleError(f"{label}: {where[0] or 'the value'} is {where[1]}; a {what} holds finite numbers only")
+    return obj
+
+
+def _non_finite(obj: Any, path: str = "") -> "tuple[str, str] | None":
+    """(where, what) of the first NaN or infinite number (NaN, Infinity or
+    1e400 in the text), e.g. ``("layers['2'][5]", "NaN")``."""
+    stack = [(obj, path)]
+    while stack:
+        o, p = stack.pop()
+        if isinstance(o, float) and not math.isfinite(o):
+            return p, "NaN" if o != o else ("infinite" if o > 0 else "minus infinite")
+        if isinstance(o, dict):
+            stack.extend((v, f"{p}[{k!r}]" if p else str(k)) for k, v in reversed(list(o.items())))
+        elif isinstance(o, list):
+            stack.extend((v, f"{p}[{i}]") for i, v in reversed(list(enumerate(o))))
+    return None
 
 
 def read_json_file(path: "str | os.PathLike[str]", what: str, missing_hint: str | None = None,

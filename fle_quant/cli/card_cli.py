@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output)
     name = args.name or (out.name[: -len(".md")] if out.name.endswith(".md") else out.name)
     declare_inputs(args.file, args.quality)
-    check_outputs([out], args.force)
+    if out.parent.is_dir():  # else the card's folder is made when it is written
+        check_outputs([out], args.force)
     quality = load_quality(args.quality) if args.quality else None
     with GGUFModel.open(args.file) as model:
         text = make_card(model, name, quality)

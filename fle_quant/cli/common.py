@@ -15,7 +15,30 @@ from typing import Callable, Iterator
 from ..errors import FleError, Terminated
 from ..files import check_outputs, command_scope, declare_inputs, write_error
 
-__all__ = ["cli_entry", "exit_main", "declare_inputs", "check_outputs"]
+__all__ = ["cli_entry", "exit_main", "declare_inputs", "check_outputs", "check_device"]
+
+
+def check_device(device: str, option: str = "--device") -> str:
+    """A torch device name that torch can use here: ``cpu``, or ``cuda`` /
+    ``cuda:N`` with that GPU present; anything else is one line. Imports
+    torch (only commands that run torch call it)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise FleError(f"{option} {device!r}: not a device torch knows; use cpu or cuda") from None
+    if dev.type == "cpu":
+        return device
+    if dev.type != "cuda":
+        raise FleError(f"{option} {device!r}: FLE runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        raise FleError(f"{option} {device}: no CUDA device is available here; use {option} cpu")
+    n = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= n:
+        raise FleError(f"{option} {device}: this machine has {n} CUDA device{'s' if n != 1 else ''} "
+                       f"(cuda:0{f'..cuda:{n - 1}' if n > 1 else ''}); use one of them")
+    return device
 
 
 def _raise_terminated(signum, frame):

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from ..errors import FleError
-from .common import check_outputs, cli_entry, declare_inputs, exit_main
+from .common import check_device, check_outputs, cli_entry, declare_inputs, exit_main
 
 _DESCRIPTION = (
     "Measure how far a model's next-token distributions are from a base model's, as "
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = (_base_parser() if base_mode else _compare_parser()).parse_args(argv[1:] if base_mode else argv)
     if args.n_batch < 1:
         raise FleError(f"--batch-size must be at least 1, got {args.n_batch}")
+    check_device(args.device)
     if base_mode:
         declare_inputs(args.model, args.text)
         check_outputs([args.output], args.force)

@@ -17,7 +17,7 @@ import argparse
 from ..errors import FleError
 from ..prune import prune
 from ..units import format_size, parse_size
-from .common import check_outputs, cli_entry, declare_inputs, exit_main
+from .common import check_device, check_outputs, cli_entry, declare_inputs, exit_main
 
 _PRUNE_EPILOG = """\
 The score table (format fle.scores/1) holds, per MoE layer, one score per
@@ -163,6 +163,7 @@ def _run_score(args: argparse.Namespace) -> int:
     if args.ctx < 1:
         raise FleError(f"--ctx must be at least 1, got {args.ctx}")
     check_outputs([args.output], args.force)
+    check_device(args.device)
     table = score(args.model, args.text, method=args.method, n_tokens=args.tokens, ctx=args.ctx,
                   mtp_head=args.mtp_head, device=args.device, progress=True)
     write_json_atomic(args.output, table, args.force)

@@ -9,7 +9,7 @@ import os
 from ..errors import FleError
 from ..files import check_input
 from ..sensitivity import DEFAULT_BASE_NAME, DEFAULT_CTX, DEFAULT_TOKENS, check_output, measure, write_json_atomic
-from .common import check_outputs, cli_entry, declare_inputs, exit_main
+from .common import check_device, check_outputs, cli_entry, declare_inputs, exit_main
 
 _EPILOG = """\
 The reference (--ref) is the most accurate file you have (BF16, Q8_0, ...). It
@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     declare_inputs(args.ref, args.text, args.base, *donors.values())
     _check_inputs(args, donors)
     check_outputs([args.output], args.force)
+    check_device(args.device)
     table = measure(args.ref, donors, args.text, n_tokens=args.tokens, ctx=args.ctx, base=args.base,
                     base_name=args.base_name, device=args.device, work_dir=args.work_dir, progress=True)
     write_json_atomic(args.output, table, args.force)
