@@ -538,8 +538,17 @@ def check_output_path(path: "str | os.PathLike[str]", force: bool) -> None:
         raise write_error(p, OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG)))
     if not force and os.path.lexists(p):
         raise FleError(f"{p}: output exists; choose another name or pass --force to overwrite")
-    if not os.access(folder, os.W_OK):
-        raise write_error(p, OSError(errno.EACCES, os.strerror(errno.EACCES)))
+    # can a file be made there at all (permissions, a read-only file system, /proc)? try the temporary's name
+    probe = _Group([Path(p)]).temp(Path(p))
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        return  # a leftover of a killed run: the writer removes it under its lock
+    except OSError as e:
+        raise write_error(p, e) from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
 
 
 def check_outputs(paths: Iterable["str | os.PathLike[str] | None"], force: bool) -> None:

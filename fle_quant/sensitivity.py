@@ -61,6 +61,7 @@ import contextlib
 import hashlib
 import math
 import os
+import sys
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,7 +102,7 @@ DEFAULT_BASE_NAME = "base"
 
 # Per-layer expert hyperparameters (without the "{arch}." prefix) a donor must
 # share with the reference so that its experts compute the same function shape.
-_SHAPE_HPARAMS = ("embedding_length", "expert_count", "expert_used_count", "expert_feed_forward_length",
+_SHAPE_HPARAMS = ("block_count", "embedding_length", "expert_count", "expert_used_count", "expert_feed_forward_length",
                   "expert_shared_count", "expert_weights_scale", "expert_gating_func", "expert_weights_norm")
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down|gate_up)_exps)\.([A-Za-z0-9_]+)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
@@ -160,7 +161,7 @@ def run_windows(model, tokens: Sequence[int], ctx: int, *, progress: bool = Fals
     if ctx < 1:
         raise FleError(f"--ctx must be at least 1, got {ctx}")
     starts = range(0, len(tokens), ctx)
-    for s in tqdm(starts, desc=desc, unit="window", disable=not progress, leave=False):
+    for s in tqdm(starts, desc=desc, unit="window", disable=not progress or not sys.stderr.isatty(), leave=False):
         window = [int(t) for t in tokens[s:s + ctx]]
         state = model.new_state(len(window))
         with torch.inference_mode():
@@ -495,7 +496,7 @@ def measure(ref: "str | os.PathLike[str]", donors: Mapping[str, "str | os.PathLi
         alignment = bmodel.alignment
         rows = []
         bar = tqdm(total=len(layers) * (1 + len(candidates)), desc="layers x candidates", unit="pass",
-                   disable=not progress, leave=False)
+                   disable=not progress or not sys.stderr.isatty(), leave=False)
         for layer in layers:
             li = captured[layer]
             ref_path = Path(scratch) / f"ref.{layer}.npy"
