@@ -368,27 +368,38 @@ class _Group:
                 found.append(self.folder / name)
         return found
 
+    def _journal_names(self) -> list[str] | None:
+        """The shard names a cut-short publish recorded, or None."""
+        try:
+            raw = self.journal.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise write_error(self.journal, e) from None
+        try:
+            names = json.loads(raw.decode("utf-8"))
+            return [n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")]
+        except (ValueError, TypeError):
+            return []
+
+    def incomplete(self) -> set[str]:
+        """Names of a shard set whose publishing was cut short (shard 1, renamed
+        last, is missing): a killed run's leftovers, not an output."""
+        names = self._journal_names()
+        if names and not (self.folder / names[0]).exists():
+            return set(names)
+        return set()
+
     def clean(self) -> None:
         """Under the lock: remove what killed writers of this output left."""
         for p in self._leftovers():
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
-        try:
-            raw = self.journal.read_bytes()
-        except FileNotFoundError:
+        if self._journal_names() is None:
             return
-        except OSError as e:
-            raise write_error(self.journal, e) from None
-        try:
-            names = json.loads(raw.decode("utf-8"))
-            names = [n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")]
-        except (ValueError, TypeError):
-            names = []
-        # shard 1 is renamed last: without it the set was never complete
-        if names and not (self.folder / names[0]).exists():
-            for n in names:
-                with contextlib.suppress(FileNotFoundError):
-                    (self.folder / n).unlink()
+        for n in self.incomplete():
+            with contextlib.suppress(FileNotFoundError):
+                (self.folder / n).unlink()
         with contextlib.suppress(FileNotFoundError):
             self.journal.unlink()
 
@@ -536,7 +547,7 @@ def check_output_path(path: "str | os.PathLike[str]", force: bool) -> None:
         raise FleError(f"{p}: is a directory; give a file name for the output")
     if len(os.fsencode(os.path.basename(p))) > _NAME_MAX:
         raise write_error(p, OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG)))
-    if not force and os.path.lexists(p):
+    if not force and os.path.lexists(p) and os.path.basename(p) not in _Group([Path(p)]).incomplete():
         raise FleError(f"{p}: output exists; choose another name or pass --force to overwrite")
     # can a file be made there at all (permissions, a read-only file system, /proc)? try the temporary's name
     probe = _Group([Path(p)]).temp(Path(p))
