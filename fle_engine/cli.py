@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from fle_quant.cli.common import cli_entry, exit_main
+from fle_quant.cli.common import check_device, cli_entry, declare_inputs, exit_main
 from fle_quant.errors import FleError
 
 _DESCRIPTION = "Run a GGUF model with FLE's engine (torch)."
@@ -134,12 +134,14 @@ def _generate(args) -> int:
         if args.threads < 1:
             raise FleError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    declare_inputs(args.model, args.mtp_head)
+    device = resolve_device(args.device)
     sampler = Sampler(SamplerParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed))
     tok = Tokenizer.from_gguf(args.model)
     prompt = _prompt_tokens(tok, args)
     if not prompt:
         raise FleError("the prompt tokenizes to nothing; give a non-empty --prompt")
-    device = resolve_device(args.device)
+    args.n_predict, args.ctx_size = bound_request(args.model, len(prompt), args.n_predict, args.ctx_size)
     if device == "cuda" and use_engine(args.model, args):
         return _generate_engine(args, tok, prompt, sampler)
     model = load(args.model, device=device)
@@ -190,16 +192,45 @@ def _print_tokens(tokens, tok, special: bool) -> tuple[int, bool]:
 
 def resolve_device(device: str) -> str:
     """``auto`` -> cuda when a CUDA device is there, else cpu; ``cuda``
-    without one is refused with a message."""
+    without one, a CUDA index torch does not see, or another name is refused
+    with a message."""
     import torch
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise FleError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    check_device(device)
     if device != "cpu" and not device.startswith("cuda"):
         raise FleError(f"--device {device!r}: expected auto, cpu or cuda")
     return device
+
+
+def bound_request(model: str, n_prompt: int, n_predict: int, ctx_size: "int | None") -> "tuple[int, int | None]":
+    """``(n_predict, ctx_size)`` within the model's context length: a prompt
+    that fills the context is refused; -n and -c beyond it are capped, with a
+    message saying so."""
+    from fle_quant.gguf_reader import GGUFModel
+
+    with GGUFModel.open(model) as g:
+        n_ctx_train = int(g.hparam("context_length", 0) or 0)
+    if ctx_size is not None and ctx_size < 0:
+        raise FleError(f"--ctx-size must be 0 (the model's own) or a number of tokens, got {ctx_size}")
+    if not n_ctx_train:
+        return n_predict, ctx_size
+    if ctx_size and ctx_size > n_ctx_train:
+        print(f"fle-engine: note: -c {ctx_size} is more than the model's context ({n_ctx_train} tokens); "
+              f"using {n_ctx_train}", file=sys.stderr)
+        ctx_size = n_ctx_train
+    ctx = ctx_size or n_ctx_train
+    if n_prompt >= ctx:
+        raise FleError(f"the prompt is {n_prompt} tokens, which fills the context of {ctx} tokens"
+                       f"{' (the model' + chr(39) + 's)' if ctx == n_ctx_train else ''}; shorten --prompt"
+                       f"{'' if ctx == n_ctx_train else ' or raise -c'}")
+    if n_prompt + n_predict > ctx:
+        room = ctx - n_prompt
+        print(f"fle-engine: note: -n {n_predict} does not fit the context of {ctx} tokens after the prompt's "
+              f"{n_prompt}; generating at most {room}", file=sys.stderr)
+        n_predict = room
+    return n_predict, ctx_size
 
 
 def use_engine(model: str, args) -> bool:
@@ -248,6 +279,7 @@ def _generate_engine(args, tok, prompt, sampler) -> int:
 def _serve(args) -> int:
     from .server import serve
 
+    declare_inputs(args.model, args.mtp_head)
     device = resolve_device(args.device)
     runtime = None
     if device == "cuda" and use_engine(args.model, args):

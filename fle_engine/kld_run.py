@@ -91,7 +91,7 @@ def _open(model: "Model | str | os.PathLike[str]", device: str) -> tuple[Model, 
 
 def write_base(model: "Model | str | os.PathLike[str]", text: str, out: "str | os.PathLike[str]", n_ctx: int,
                n_chunks: int | None = None, *, device: str = "cpu", n_batch: int = 512,
-               log: Log | None = None) -> kld.BaseWriter:
+               log: Log | None = None, force: bool = False) -> kld.BaseWriter:
     """Run the base ``model`` over ``text`` and write a llama.cpp
     ``--kl-divergence-base`` file to ``out``; returns the (closed) writer,
     which holds the base perplexity."""
@@ -103,7 +103,7 @@ def write_base(model: "Model | str | os.PathLike[str]", text: str, out: "str | o
     bos = tok.bos_id if tok.add_bos else None
     if log:
         log(f"computing base log-probabilities over {chunks.shape[0]} chunks, n_ctx={n_ctx}")
-    with kld.BaseWriter(out, n_ctx, model.n_vocab, chunks) as w:
+    with kld.BaseWriter(out, n_ctx, model.n_vocab, chunks, force=force) as w:
         for i, chunk in enumerate(chunks):
             w.add_chunk(scored_logits(model, chunk, bos, n_batch))
             if log:

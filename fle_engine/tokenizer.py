@@ -37,6 +37,7 @@ from tokenizers import models as _hf_models
 from tokenizers import pre_tokenizers as _hf_pre
 
 from fle_quant.errors import FleError
+from fle_quant.files import check_input
 from fle_quant.gguf_reader import GGUFModel
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenType"]
@@ -250,8 +251,7 @@ class Tokenizer:
         if isinstance(model_or_path, GGUFModel):
             return cls(model_or_path.metadata, str(model_or_path.paths[0]))
         path = Path(model_or_path)
-        if not path.is_file():
-            raise FleError(f"{path}: no such file; pass a GGUF model or a llama.cpp vocab-only GGUF")
+        check_input(path, "GGUF model or llama.cpp vocab-only GGUF")
         with GGUFModel.open(path) as model:
             return cls(model.metadata, str(path))
 

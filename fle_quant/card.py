@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import FleError
-from .textio import write_text_atomic
+from .textio import read_json_file, write_text_atomic
 from .gguf_reader import GGUFModel
 from .inspect import ModelSummary, summarize
 from .splice import PROVENANCE_PREFIX
@@ -96,20 +96,8 @@ def parse_quality(obj: Any, label: str = "quality") -> dict:
 
 
 def load_quality(path: "str | os.PathLike[str]") -> dict:
-    label = os.fspath(path)
-    try:
-        raw = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise FleError(f"{label}: no such file; give the quality JSON file") from None
-    except OSError as e:
-        raise FleError(f"{label}: cannot read it ({e.strerror})") from None
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise FleError(f"{label}: not a quality JSON (not UTF-8 text)") from None
-    except json.JSONDecodeError as e:
-        raise FleError(f"{label}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    return parse_quality(obj, label)
+    obj, _ = read_json_file(path, "quality")
+    return parse_quality(obj, os.fspath(path))
 
 
 def base_models(metadata: dict) -> list[str]:

@@ -10,3 +10,8 @@ escapes is a bug in FLE.
 
 class FleError(Exception):
     """A problem with the user's input, explained in one line."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process was, so that the same cleanup as for
+    Ctrl-C runs; console scripts exit 143 on it."""

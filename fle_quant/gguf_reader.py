@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .errors import FleError
+from .files import check_input
 from .ggml_types import BLOCK_GEOMETRY, GGMLType
 from .gguf_format import (
     GGUF_MAGIC,
@@ -331,6 +332,7 @@ def _parse_shard(path: Path, buf: "mmap.mmap | bytes", shard: int) -> _Shard:
 
 
 def _map(path: Path) -> "tuple[mmap.mmap | bytes, int]":
+    check_input(path, "GGUF file")
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size

@@ -18,12 +18,13 @@ copying (unless not C-contiguous or not little-endian). A
 :class:`ChunkSource` must not modify a chunk after yielding it: its hash may
 still be running while the next chunk is produced.
 
-Output is atomic: every shard is written to ``.NAME.fle-tmp-<pid>`` next to
-its final name, fsynced, and renamed only when all shards are complete, the
-first shard last, so no file under a final name exists before the whole model
-does. On any error (including KeyboardInterrupt) the temporary files are
-removed; a later run removes the leftovers of a killed run for the same
-target.
+Output is atomic (see :mod:`fle_quant.files`): every shard is written to
+``.NAME.fle-tmp-<pid>`` next to its final name, fsynced, and renamed only when
+all shards are complete, the first shard last, so no complete-looking set
+exists before the whole model does. A lock file held with ``flock`` keeps a
+second writer out; on any error (including KeyboardInterrupt) the temporary
+files are removed; a later run removes the leftovers of a killed run for the
+same target, including shards of a set whose renaming was cut short.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, Sequence, U
 import numpy as np
 
 from .errors import FleError
+from .files import OutputSet, _Group, write_error
 from .ggml_types import BLOCK_GEOMETRY, GGMLType, parse_type
 from .gguf_format import (
     DEFAULT_ALIGNMENT,
@@ -78,7 +80,6 @@ __all__ = [
 
 CHUNK_BYTES = 16 << 20
 _TMP_TAG = ".fle-tmp-"
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 @dataclass(frozen=True)
@@ -515,50 +516,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def temp_path(final: Path) -> Path:
-    return final.with_name(f".{final.name}{_TMP_TAG}{os.getpid()}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_leftovers(out_path: Path) -> None:
-    """Remove temporary files of earlier, dead writers to ``out_path`` (any shard count)."""
-    stem = out_path.name[: -len(".gguf")] if out_path.name.endswith(".gguf") else out_path.name
-    patterns = [f".{out_path.name}{_TMP_TAG}*", f".{stem}-[0-9]*-of-[0-9]*.gguf{_TMP_TAG}*"]
-    found: set[Path] = set()
-    for pat in patterns:
-        found.update(out_path.parent.glob(pat))
-    for p in sorted(found):
-        pid_str = p.name.rsplit(_TMP_TAG, 1)[1]
-        if not pid_str.isdigit():
-            continue
-        pid = int(pid_str)
-        if pid != os.getpid() and _pid_alive(pid):
-            raise FleError(f"{p}: another process (pid {pid}) is writing {out_path}; wait for it or stop it")
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """The temporary name a shard is written under before it is renamed."""
+    return _Group([final]).temp(final)
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -578,13 +537,17 @@ def write_gguf(
     split_max_tensors: int | None = None,
     force: bool = False,
     progress: bool = True,
+    inputs: Iterable["str | os.PathLike[str]"] = (),
 ) -> WriteResult:
     """Write ``plan`` to ``out_path`` (``x.gguf``), or to ``x-0000k-of-0000N.gguf``
     shards when ``split_max_size`` (bytes of tensor data per shard) or
     ``split_max_tensors`` makes more than one shard.
 
-    Raises FleError before writing anything if an output exists and not
-    ``force``, or if the plan is invalid (duplicate names, shapes that do not
+    Output goes through :class:`fle_quant.files.OutputSet`: an output that
+    names an input (any file a tensor is copied from, ``inputs``, or an input
+    of the running command) is refused, as is a second writer to the same
+    output. Raises FleError before writing anything if an output exists and
+    not ``force``, or if the plan is invalid (duplicate names, shapes that do not
     fit the type's block, sources of the wrong size or past the end of their
     file).
     """
@@ -597,56 +560,41 @@ def write_gguf(
         raise FleError(f"{out_path}: directory {out_path.parent} does not exist")
     _check_plan(plan)
     finals, groups, headers = _layout(plan, out_path, split_max_size, split_max_tensors)
-    if not force:
-        existing = [p for p in finals if p.exists()]
-        if existing:
-            raise FleError(f"{existing[0]}: output exists; choose another name or pass force to overwrite")
-    _remove_leftovers(out_path)
+    sources = {r.path for t in plan.tensors for r in _byte_sources(t.source)}
     alignment = plan.alignment
-
-    temps = [temp_path(p) for p in finals]
     sha: dict[str, str] = {}
     written = 0
-    bar = _progress_bar(sum(t.n_bytes for t in plan.tensors), progress)
-    copier = _Copier(CHUNK_BYTES, bar)
-    current = finals[0]
-    renamed: list[Path] = []
-    try:
-        for final, tmp, header, group in zip(finals, temps, headers, groups):
-            current = final
-            with open(tmp, "wb", buffering=0) as f:
-                out = f.fileno()
-                _write_all(out, header)
-                pos = len(header)
-                for t in group:
-                    sha[t.name] = copier.copy_tensor(t, out)
-                    padding = pad(t.n_bytes, alignment) - t.n_bytes
-                    _write_all(out, bytes(padding))
-                    pos += t.n_bytes + padding
-                os.fsync(out)
-            written += pos
-        # every shard is complete: publish them, the first shard (the one loaders are given) last
-        for final, tmp in list(zip(finals, temps))[::-1]:
-            current = final
-            os.replace(tmp, final)
-            renamed.append(final)
-        _fsync_dir(out_path.parent)
-    except BaseException as e:
-        for tmp in temps:
-            try:
-                tmp.unlink()
-            except FileNotFoundError:
-                pass
-        if len(renamed) < len(finals):
-            for p in renamed:
-                p.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.errno in _DISK_FULL:
-            raise FleError(
-                f"disk full writing {current} ({os.strerror(e.errno)}); free space or write elsewhere"
-            ) from None
-        raise
-    finally:
-        copier.close()
-        if bar is not None:
-            bar.close()
+    with OutputSet([finals], force=force, inputs=[*sources, *inputs]) as outs:
+        bar = _progress_bar(sum(t.n_bytes for t in plan.tensors), progress)
+        copier = _Copier(CHUNK_BYTES, bar)
+        try:
+            for final, header, group in zip(finals, headers, groups):
+                out = outs.create(final)
+                try:
+                    _write_all(out, header)
+                    pos = len(header)
+                    for t in group:
+                        sha[t.name] = copier.copy_tensor(t, out)
+                        padding = pad(t.n_bytes, alignment) - t.n_bytes
+                        _write_all(out, bytes(padding))
+                        pos += t.n_bytes + padding
+                finally:
+                    os.close(out)
+                written += pos
+            # every shard is complete: publish them, the first shard (the one loaders are given) last
+            outs.commit()
+        except OSError as e:
+            raise write_error(final, e) from None
+        finally:
+            copier.close()
+            if bar is not None:
+                bar.close()
     return WriteResult(paths=finals, sha256=sha, bytes_written=written)
+
+
+def _byte_sources(src: Any) -> list[ByteSource]:
+    if isinstance(src, ByteSource):
+        return [src]
+    if isinstance(src, (list, tuple)) and all(isinstance(s, ByteSource) for s in src):
+        return list(src)
+    return []

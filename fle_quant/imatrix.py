@@ -50,6 +50,7 @@ from typing import Any, BinaryIO, Sequence
 import numpy as np
 
 from .errors import FleError
+from .files import check_input
 from .ggml_types import GGMLType
 from .gguf_format import GGUF_MAGIC, GGUFValueType
 
@@ -184,6 +185,7 @@ def load_imatrix(path: "str | os.PathLike[str]") -> Imatrix:
     malformed file."""
     source = os.fspath(path)
     p = Path(path)
+    check_input(p, "imatrix file")
     try:
         f = open(p, "rb")
     except FileNotFoundError:

@@ -44,6 +44,7 @@ from typing import BinaryIO, Iterator
 import numpy as np
 
 from .errors import FleError
+from .files import OutputSet, check_input, write_error
 
 __all__ = [
     "MAGIC", "KldHeader", "BaseWriter", "KldStats", "KldSummary",
@@ -203,8 +204,8 @@ def _check_geometry(n_ctx: int, n_vocab: int, n_chunk: int, where: str) -> None:
 def read_header(path: "str | os.PathLike[str]") -> KldHeader:
     """The header and tokens of a base file, checked against the file's size."""
     path = Path(path)
+    size = check_input(path, "base file (from fle-kld base or llama-perplexity --kl-divergence-base)").st_size
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(_HEADER_BYTES)
             if len(head) < len(MAGIC) or head[:len(MAGIC)] != MAGIC:
@@ -214,12 +215,17 @@ def read_header(path: "str | os.PathLike[str]") -> KldHeader:
                 raise FleError(f"{path}: the header is cut short; the file is truncated")
             n_ctx, n_vocab, n_chunk = (int(v) for v in np.frombuffer(head, dtype="<i4", offset=len(MAGIC)))
             _check_geometry(n_ctx, n_vocab, n_chunk, str(path))
+            # the sizes first: a header claiming more than the file holds allocates nothing
+            probe = KldHeader(n_ctx, n_vocab, n_chunk, np.zeros((0, n_ctx), np.int32), path)
+            want = probe.data_offset + n_chunk * probe.chunk_bytes
+            if size != want:
+                raise FleError(f"{path}: {size} bytes, but n_ctx={n_ctx}, n_vocab={n_vocab} and n_chunk={n_chunk} "
+                               f"make {want}; the file is truncated or not a base file")
             tokens = np.fromfile(f, dtype="<i4", count=n_ctx * n_chunk)
     except OSError as e:
         raise FleError(f"{path}: cannot read ({e.strerror}); pass an existing base file") from None
     hdr = KldHeader(n_ctx, n_vocab, n_chunk, tokens.astype(np.int32).reshape(-1, n_ctx), path)
-    want = hdr.data_offset + n_chunk * hdr.chunk_bytes
-    if size != want:
+    if tokens.size != n_ctx * n_chunk:
         raise FleError(f"{path}: {size} bytes, but n_ctx={n_ctx}, n_vocab={n_vocab} and n_chunk={n_chunk} "
                        f"make {want}; the file is truncated or not a base file")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= n_vocab):
@@ -236,7 +242,12 @@ def iter_chunks(header: KldHeader) -> Iterator[np.ndarray]:
             data = np.fromfile(f, dtype="<u2", count=header.n_scored * header.nv)
             if data.size != header.n_scored * header.nv:
                 raise FleError(f"{header.path}: chunk {c + 1} is cut short; the file is truncated")
-            yield data.reshape(header.n_scored, header.nv)
+            records = data.reshape(header.n_scored, header.nv)
+            scale, min_log_prob = _record_head(records)
+            if not (np.isfinite(scale).all() and np.isfinite(min_log_prob).all()):
+                raise FleError(f"{header.path}: chunk {c + 1} holds log-probabilities that are not finite numbers "
+                               "(NaN or infinity); the base file is corrupt, make it again")
+            yield records
 
 
 class BaseWriter:
@@ -247,7 +258,8 @@ class BaseWriter:
 
     ``tokens``: int ``[n_chunk, n_ctx]`` (or flat), the text's tokens."""
 
-    def __init__(self, path: "str | os.PathLike[str]", n_ctx: int, n_vocab: int, tokens: np.ndarray):
+    def __init__(self, path: "str | os.PathLike[str]", n_ctx: int, n_vocab: int, tokens: np.ndarray,
+                 force: bool = False):
         self.path = Path(path)
         toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if n_ctx < 1 or toks.size % n_ctx:
@@ -261,14 +273,24 @@ class BaseWriter:
         self.sum_nll = 0.0
         self.sum_nll2 = 0.0
         self.count = 0
-        self._tmp = self.path.with_name(self.path.name + ".partial")
+        # the one output mechanism: checked, locked, written under a temporary name
+        self._outs: OutputSet | None = OutputSet([[self.path]], force=force)
+        self._outs.__enter__()
+        self._f: BinaryIO | None = None
         try:
-            self._f: BinaryIO | None = open(self._tmp, "wb")
-            self._f.write(MAGIC)
-            self._f.write(np.array([n_ctx, n_vocab, n_chunk], dtype="<i4").tobytes())
-            self._f.write(self.header.tokens.astype("<i4").tobytes())
+            self._f = self._outs.open(self.path, "wb")
+            self._write(MAGIC)
+            self._write(np.array([n_ctx, n_vocab, n_chunk], dtype="<i4").tobytes())
+            self._write(self.header.tokens.astype("<i4").tobytes())
+        except BaseException:
+            self.abort()
+            raise
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self._f.write(data)
         except OSError as e:
-            raise FleError(f"{self.path}: cannot write ({e.strerror}); choose a writable output path") from None
+            raise write_error(self.path, e) from None
 
     def add_chunk(self, logits: np.ndarray) -> None:
         """Records for the next chunk from its logits ``[n_scored, n_vocab]``."""
@@ -281,7 +303,10 @@ class BaseWriter:
             raise FleError(f"chunk logits have shape {list(np.shape(logits))}; a chunk of n_ctx={h.n_ctx} "
                            f"needs [{h.n_scored}, {h.n_vocab}]")
         rec, nll = encode_records(logits, h.targets(self.chunks_written))
-        self._f.write(rec.astype("<u2").tobytes())
+        if not np.isfinite(nll).all():
+            raise FleError(f"{self.path}: chunk {self.chunks_written + 1}: the model's logits are not finite "
+                           "(NaN or infinity); the model file is broken")
+        self._write(rec.astype("<u2").tobytes())
         self.sum_nll += float(nll.sum())
         self.sum_nll2 += float((nll * nll).sum())
         self.count += nll.size
@@ -301,23 +326,37 @@ class BaseWriter:
 
     def close(self) -> Path:
         """Finish the file; FleError (and no file) unless every chunk was written."""
-        if self._f is None:
+        if self._outs is None:
             return self.path
-        self._f.close()
-        self._f = None
         if self.chunks_written != self.header.n_chunk:
-            self._tmp.unlink(missing_ok=True)
+            self.abort()
             raise FleError(f"{self.path}: {self.chunks_written} of {self.header.n_chunk} chunks were written; "
                            "no file was left behind")
-        os.replace(self._tmp, self.path)
+        try:
+            try:
+                self._f.close()
+            except OSError as e:
+                raise write_error(self.path, e) from None
+            self._f = None
+            self._outs.commit()
+        except BaseException:
+            self.abort()
+            raise
+        outs, self._outs = self._outs, None
+        outs.__exit__(None, None, None)
         return self.path
 
     def abort(self) -> None:
         """Drop the partial file."""
         if self._f is not None:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:
+                pass
             self._f = None
-        self._tmp.unlink(missing_ok=True)
+        if self._outs is not None:
+            outs, self._outs = self._outs, None
+            outs.__exit__(None, None, None)
 
     def __enter__(self) -> "BaseWriter":
         return self

@@ -67,6 +67,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import FleError
+from .files import check_output_path
 from .textio import read_json_file
 from .ggml_types import BLOCK_GEOMETRY
 from .gguf_format import GGUFValueType
@@ -384,10 +385,8 @@ def prune(
         try:
             head = plan_prune(head_model, head_scores, keep) if head_model is not None else None
             _check_all_used(trunk_scores, head_scores, trunk, head)
-            if not force:
-                for o in outputs:
-                    if o.exists():
-                        raise FleError(f"{o}: output exists; choose another name or pass --force to overwrite")
+            for o in outputs:
+                check_output_path(o, force)
             written = write_gguf(trunk.plan, out, split_max_size=split_max_size,
                                  split_max_tensors=split_max_tensors, force=force, progress=progress)
             result = PruneResult(trunk, written)

@@ -675,19 +675,17 @@ def parse_recipe(obj: Any, path: str = "<recipe>") -> Recipe:
 
 def load_recipe(path: str) -> Recipe:
     """Read and validate ``path`` (format ``fle.recipe/1``)."""
+    from .textio import parse_json, read_bytes_file
+
+    raw = read_bytes_file(path, "recipe file", max_bytes=16 << 20)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise FleError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise FleError(f"{path}: is a folder, not a recipe file") from None
+        raw.decode("utf-8")
     except UnicodeDecodeError:
         raise FleError(f"{path}: not UTF-8 text; a recipe is a JSON file") from None
-    except OSError as e:
-        raise FleError(f"{path}: cannot read: {e.strerror}") from None
     try:
-        obj = json.loads(text)
+        json.loads(raw)  # the recipe's own wording for a syntax error
     except json.JSONDecodeError as e:
         raise FleError(f"{path}: line {e.lineno} column {e.colno}: not valid JSON: {e.msg}") from None
-    return parse_recipe(obj, path)
+    except (ValueError, RecursionError):
+        pass  # limits: parse_json says which
+    return parse_recipe(parse_json(raw, path, "recipe"), path)

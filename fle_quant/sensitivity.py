@@ -61,8 +61,8 @@ import contextlib
 import hashlib
 import math
 import os
+import sys
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -71,6 +71,7 @@ import numpy as np
 
 from . import __version__
 from .errors import FleError
+from .files import check_outputs, preallocate, scratch_dir, write_error
 from .textio import read_text_file, write_json_atomic
 from .gguf_format import pad
 from .gguf_reader import GGUFModel, TensorInfo
@@ -101,7 +102,7 @@ DEFAULT_BASE_NAME = "base"
 
 # Per-layer expert hyperparameters (without the "{arch}." prefix) a donor must
 # share with the reference so that its experts compute the same function shape.
-_SHAPE_HPARAMS = ("embedding_length", "expert_count", "expert_used_count", "expert_feed_forward_length",
+_SHAPE_HPARAMS = ("block_count", "embedding_length", "expert_count", "expert_used_count", "expert_feed_forward_length",
                   "expert_shared_count", "expert_weights_scale", "expert_gating_func", "expert_weights_norm")
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down|gate_up)_exps)\.([A-Za-z0-9_]+)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
@@ -160,7 +161,7 @@ def run_windows(model, tokens: Sequence[int], ctx: int, *, progress: bool = Fals
     if ctx < 1:
         raise FleError(f"--ctx must be at least 1, got {ctx}")
     starts = range(0, len(tokens), ctx)
-    for s in tqdm(starts, desc=desc, unit="window", disable=not progress, leave=False):
+    for s in tqdm(starts, desc=desc, unit="window", disable=not progress or not sys.stderr.isatty(), leave=False):
         window = [int(t) for t in tokens[s:s + ctx]]
         state = model.new_state(len(window))
         with torch.inference_mode():
@@ -203,8 +204,7 @@ class InputCapture:
         li = self.layers.get(rec.layer)
         if li is None:
             k = rec.experts.shape[1]
-            hidden = np.lib.format.open_memmap(self.folder / f"hidden.{rec.layer}.npy", mode="w+",
-                                               dtype=np.float32, shape=(self.n_tokens, d))
+            hidden = scratch_array(self.folder / f"hidden.{rec.layer}.npy", (self.n_tokens, d))
             li = LayerInputs(rec.layer, hidden, np.zeros((self.n_tokens, k), np.int64),
                              np.zeros((self.n_tokens, k), np.float32))
             self.layers[rec.layer] = li
@@ -484,7 +484,7 @@ def measure(ref: "str | os.PathLike[str]", donors: Mapping[str, "str | os.PathLi
             _check_same_model(rmodel, dm, f"donor {name!r} ({dm.paths[0]})", ref_layers)
 
         tokens = read_tokens(rmodel, text, n_tokens)
-        scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="fle-sensitivity-", dir=work_dir))
+        scratch = stack.enter_context(scratch_dir(work_dir, "fle-sensitivity-"))
         captured, hp = capture_inputs(ref, tokens, ctx, Path(scratch), device=device, progress=progress)
         layers = list(captured)
         missing = [il for il in layers if il not in ref_layers]
@@ -496,11 +496,11 @@ def measure(ref: "str | os.PathLike[str]", donors: Mapping[str, "str | os.PathLi
         alignment = bmodel.alignment
         rows = []
         bar = tqdm(total=len(layers) * (1 + len(candidates)), desc="layers x candidates", unit="pass",
-                   disable=not progress, leave=False)
+                   disable=not progress or not sys.stderr.isatty(), leave=False)
         for layer in layers:
             li = captured[layer]
             ref_path = Path(scratch) / f"ref.{layer}.npy"
-            ref_routed = np.lib.format.open_memmap(ref_path, mode="w+", dtype=np.float32, shape=li.hidden.shape)
+            ref_routed = scratch_array(ref_path, li.hidden.shape)
             gate, up, down = layer_experts(rmodel, layer, hp["n_embd"], hp["n_ff_exp"], hp["n_expert"], device)
             for s, e, y in _layer_output(li, gate, up, down, device):
                 ref_routed[s:e] = y.cpu().numpy()
@@ -557,14 +557,22 @@ def measure(ref: "str | os.PathLike[str]", donors: Mapping[str, "str | os.PathLi
 # writing
 
 
+def scratch_array(path: Path, shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 ``.npy`` memory map in the scratch folder, its blocks
+    reserved first: a full disk is one line now, not SIGBUS later."""
+    try:
+        arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=tuple(shape))
+        fd = os.open(path, os.O_RDWR)
+        try:
+            preallocate(fd, os.fstat(fd).st_size, path)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise write_error(path, e) from None
+    return arr
+
+
 def check_output(path: "str | os.PathLike[str]", force: bool) -> None:
-    """Refuse before any work an output that exists (without ``force``) or
-    whose folder does not."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FleError(f"{path}: the folder {directory} does not exist")
-    if os.path.isdir(path):
-        raise FleError(f"{path}: is a directory; give a file name for the output")
-    if not force and os.path.exists(path):
-        raise FleError(f"{path}: exists; choose another name or pass --force to replace it")
+    """Refuse before any work an output that exists (without ``force``), whose
+    folder does not, or that names an input (see :func:`fle_quant.files.check_outputs`)."""
+    check_outputs([path], force)

@@ -72,6 +72,7 @@ from .digest import sha256_file, sha256_model
 from .errors import FleError
 from .gguf_format import GGUFValueType
 from .gguf_reader import GGUFModel, TensorInfo
+from .files import check_output_path, refuse_inputs
 from .gguf_writer import ByteSource, WritePlan, WriteResult, planned_layout, write_gguf
 from .select import Selection, load_selection
 
@@ -335,16 +336,11 @@ def plan_splice(base: "str | os.PathLike[str]", donors: Mapping[str, "str | os.P
 
     _provenance(wp, binput, dinputs, selection_path, layer_sources, {}, _ZERO_SHA)
     out_paths, sizes = planned_layout(wp, out, split_max_size, split_max_tensors)
-    inputs = {p.resolve() for i in [binput, *dinputs.values()] for p in i.paths}
-    for p in out_paths:
-        if p.resolve() in inputs:
-            raise FleError(f"{p}: the output would overwrite an input file; choose another output name")
+    refuse_inputs(out_paths, [p for i in [binput, *dinputs.values()] for p in i.paths] + [selection_path])
     if not out.parent.is_dir():
         raise FleError(f"{out}: directory {out.parent} does not exist")
-    if not force:
-        for p in out_paths:
-            if p.exists():
-                raise FleError(f"{p}: output exists; choose another name or pass --force to overwrite")
+    for p in out_paths:
+        check_output_path(p, force)
     return SplicePlan(base=binput, donors=dinputs, unused_donors=unused, selection_path=selection_path,
                       selection=sel, layers=layers, layer_sources=layer_sources, write_plan=wp,
                       out=out, out_paths=out_paths, shard_sizes=sizes, split_max_size=split_max_size,

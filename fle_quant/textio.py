@@ -3,14 +3,14 @@
 one-line errors, and atomic writing that never leaves a partial file."""
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
+import math
 import os
-import tempfile
+import re
 from typing import Any
 
 from .errors import FleError
+from .files import check_input, write_bytes_atomic
 
 
 def _no_duplicate_keys(label: str):
@@ -25,18 +25,31 @@ def _no_duplicate_keys(label: str):
     return hook
 
 
-def read_bytes_file(path: "str | os.PathLike[str]", what: str) -> bytes:
-    """The bytes of a user's input file, or one line saying why not."""
+def read_bytes_file(path: "str | os.PathLike[str]", what: str, max_bytes: int | None = None,
+                    record: bool = True) -> bytes:
+    """The bytes of a user's input file, or one line saying why not: a
+    regular file only (see :func:`fle_quant.files.check_input`), at most
+    ``max_bytes`` long when given. ``record``: count it as an input of the
+    running command (a file the command may then not write)."""
     label = os.fspath(path)
+    st = check_input(path, what) if record else _check_unrecorded(path, what)
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise FleError(f"{label}: {st.st_size:,} bytes, more than a {what} can be ({max_bytes:,}); "
+                       "give the right file")
     try:
         with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise FleError(f"{label}: no such file; give the {what}") from None
+            return f.read() if max_bytes is None else f.read(max_bytes + 1)
     except IsADirectoryError:
         raise FleError(f"{label}: is a directory; give the {what}") from None
     except OSError as e:
-        raise FleError(f"{label}: cannot read it ({e.strerror})") from None
+        raise FleError(f"{label}: cannot read it ({e.strerror}); give the {what}") from None
+
+
+def _check_unrecorded(path, what):
+    from .files import command_scope
+
+    with command_scope():  # a scope of its own: the running command's inputs stay as they are
+        return check_input(path, what)
 
 
 def read_text_file(path: "str | os.PathLike[str]", what: str = "UTF-8 text") -> str:
@@ -48,64 +61,86 @@ def read_text_file(path: "str | os.PathLike[str]", what: str = "UTF-8 text") -> 
         raise FleError(f"{os.fspath(path)}: not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
 
 
-def read_json_file(path: "str | os.PathLike[str]", what: str, missing_hint: str | None = None) -> tuple[Any, bytes]:
-    """Decode a UTF-8 JSON file whose objects have no repeated keys; returns
-    the object and the raw bytes (for hashing). ``what`` names the file's
-    role in messages ("sensitivity table"); ``missing_hint`` replaces the
-    default advice when the file does not exist."""
-    label = os.fspath(path)
-    if missing_hint and not os.path.lexists(path):
-        raise FleError(f"{label}: no such file; {missing_hint}")
-    raw = read_bytes_file(path, f"{what} JSON file")
+MAX_JSON_BYTES = 64 << 20
+MAX_JSON_DEPTH = 64
+MAX_INT_DIGITS = 40
+
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _depth(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in JSON text (strings skipped)."""
+    import numpy as np
+
+    bare = np.frombuffer(_STRINGS.sub(b'""', raw), dtype=np.uint8)
+    step = np.zeros(bare.shape, np.int32)
+    step[(bare == ord("[")) | (bare == ord("{"))] = 1
+    step[(bare == ord("]")) | (bare == ord("}"))] = -1
+    return int(np.cumsum(step).max(initial=0))
+
+
+def parse_json(raw: bytes, label: str, what: str) -> Any:
+    """Strict JSON: UTF-8, no repeated keys, at most ``MAX_JSON_DEPTH``
+    levels of nesting, integers of at most ``MAX_INT_DIGITS`` digits, finite
+    numbers only (no NaN, Infinity or 1e400)."""
+    def bad_int(text: str) -> int:
+        if len(text.lstrip("-")) > MAX_INT_DIGITS:
+            raise FleError(f"{label}: an integer with {len(text)} digits; a {what} holds no numbers that large")
+        return int(text)
+
+
+    depth = _depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise FleError(f"{label}: nested {depth} levels deep, more than a {what} ever is ({MAX_JSON_DEPTH}); "
+                       "give the right file")
     try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(label))
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(label), parse_int=bad_int)
     except UnicodeDecodeError:
         raise FleError(f"{label}: not a {what} (not UTF-8 text)") from None
     except json.JSONDecodeError as e:
         raise FleError(f"{label}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    return obj, raw
+    except RecursionError:
+        raise FleError(f"{label}: nested too deeply; give the right file") from None
+    where = _non_finite(obj)
+    if where is not None:
+        raise FleError(f"{label}: {where[0] or 'the value'} is {where[1]}; a {what} holds finite numbers only")
+    return obj
+
+
+def _non_finite(obj: Any, path: str = "") -> "tuple[str, str] | None":
+    """(where, what) of the first NaN or infinite number (NaN, Infinity or
+    1e400 in the text), e.g. ``("layers['2'][5]", "NaN")``."""
+    stack = [(obj, path)]
+    while stack:
+        o, p = stack.pop()
+        if isinstance(o, float) and not math.isfinite(o):
+            return p, "NaN" if o != o else ("infinite" if o > 0 else "minus infinite")
+        if isinstance(o, dict):
+            stack.extend((v, f"{p}[{k!r}]" if p else str(k)) for k, v in reversed(list(o.items())))
+        elif isinstance(o, list):
+            stack.extend((v, f"{p}[{i}]") for i, v in reversed(list(enumerate(o))))
+    return None
+
+
+def read_json_file(path: "str | os.PathLike[str]", what: str, missing_hint: str | None = None,
+                   max_bytes: int = MAX_JSON_BYTES, record: bool = True) -> tuple[Any, bytes]:
+    """Decode a JSON file with :func:`parse_json`; returns the object and the
+    raw bytes (for hashing). ``what`` names the file's role in messages
+    ("sensitivity table"); ``missing_hint`` replaces the default advice when
+    the file does not exist; ``max_bytes`` bounds its size."""
+    label = os.fspath(path)
+    if missing_hint and not os.path.lexists(path):
+        raise FleError(f"{label}: no such file; {missing_hint}")
+    raw = read_bytes_file(path, f"{what} JSON file", max_bytes=max_bytes, record=record)
+    return parse_json(raw, label, what), raw
 
 
 def write_text_atomic(path: "str | os.PathLike[str]", text: str, force: bool = False) -> None:
-    """Write ``text`` under a temporary name next to ``path``, fsync, and put
-    it in place. Without ``force`` an existing ``path`` is never replaced,
-    not even one that appears while writing."""
-    path = os.fspath(path)
-    exists = f"{path}: exists; choose another name or pass --force to replace it"
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FleError(f"{path}: the folder {directory} does not exist")
-    if os.path.isdir(path):
-        raise FleError(f"{path}: is a directory; give a file name")
-    if not force and os.path.exists(path):
-        raise FleError(exists)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if force:
-            os.replace(tmp, path)
-            return
-        try:
-            os.link(tmp, path)  # fails if the name appeared meanwhile
-        except FileExistsError:
-            raise FleError(exists) from None
-        except OSError:
-            # file systems without hard links: check, then rename
-            if os.path.exists(path):
-                raise FleError(exists) from None
-            os.replace(tmp, path)
-        else:
-            os.unlink(tmp)
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise FleError(f"{path}: disk full while writing it; free space and run again") from None
-        raise FleError(f"{path}: cannot write it ({e.strerror})") from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    """Write ``text`` through :class:`fle_quant.files.OutputSet`: under a
+    temporary name next to ``path``, fsynced, then renamed. Without ``force``
+    an existing ``path`` is never replaced, not even one another FLE run
+    writes meanwhile; an output naming an input of the command is refused."""
+    write_bytes_atomic(path, text.encode("utf-8"), force)
 
 
 def write_json_atomic(path: "str | os.PathLike[str]", obj: Any, force: bool = False) -> None:

@@ -410,7 +410,8 @@ def test_sigkill_mid_write_then_rerun(tmp_path):
     finals = [shard_path(out, i, 4) for i in range(4)]
     assert not any(p.exists() for p in finals)
     left = _leftovers(tmp_path)
-    assert left == sorted(p.name for p in tmp_path.iterdir())
+    # the killed run's two temporaries and its lock file, which holds no lock any more
+    assert left + [".m.fle-lock"] == sorted(p.name for p in tmp_path.iterdir())
     assert f".{finals[0].name}.fle-tmp-{proc.pid}" in left and len(left) == 2
     # a new run to the same target removes the dead run's files and succeeds
     ts = _tensors([1, 1, 1])
@@ -420,17 +421,29 @@ def test_sigkill_mid_write_then_rerun(tmp_path):
 
 
 def test_live_writer_to_same_target_is_refused(tmp_path):
+    """The lock is an flock held by the writing process: while it lives a
+    second writer is refused, and once it is gone its leftovers (lock file and
+    a temporary named with any pid, even a live process's) keep nothing out."""
     out = tmp_path / "m.gguf"
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    lock = tmp_path / ".m.fle-lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
+                               "os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); "
+                               "time.sleep(60)", str(lock)], stdout=subprocess.PIPE)
     try:
-        fake = out.with_name(f".{out.name}.fle-tmp-{sleeper.pid}")
+        assert holder.stdout.readline() == b"locked\n"
+        fake = out.with_name(f".{out.name}.fle-tmp-{holder.pid}")
         fake.write_bytes(b"partial")
-        with pytest.raises(FleError, match=f"another process \\(pid {sleeper.pid}\\)"):
+        with pytest.raises(FleError, match="another FLE process is writing this output"):
             write_gguf(_plan_like_gguf_py(_tensors([1])), out, progress=False)
         assert fake.exists() and not out.exists()
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    # the holder is dead, its lock file and a temporary named after a live pid (ours) remain
+    fake.rename(out.with_name(f".{out.name}.fle-tmp-{os.getppid()}"))
+    write_gguf(_plan_like_gguf_py(_tensors([1])), out, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
 
 _FSIZE_WRITER = textwrap.dedent(
@@ -461,7 +474,7 @@ def test_disk_full_is_fle_error_and_cleans_up(tmp_path):
     r = subprocess.run([sys.executable, "-c", _FSIZE_WRITER, str(out)], capture_output=True, env=_env(), timeout=120)
     assert r.returncode == 2, r.stderr.decode()
     msg = r.stdout.decode()
-    assert msg.startswith("FleError: disk full writing ") and "m-00001-of-00002.gguf" in msg
+    assert msg.startswith(f"FleError: {tmp_path / 'm-00001-of-00002.gguf'}: disk full"), msg
     assert list(tmp_path.iterdir()) == []
 
 

@@ -241,7 +241,7 @@ def test_gguf_bad_files(tmp_path):
         (write_gguf_imatrix(tmp_path / "f16.gguf", good, sums_type=np.float16), "llama.cpp requires F32"),
         (write_gguf_imatrix(tmp_path / "inf.gguf", {"w.weight": (np.full((1, 32), np.inf), [1.0])}), "non-finite"),
         (make_model(tmp_path / "model.gguf", "qwen3moe", block_count=1), "without the imatrix metadata"),
-        (tmp_path / "absent.gguf", "no such imatrix file"),
+        (tmp_path / "absent.gguf", "no such file; give the imatrix file"),
         (tmp_path, "is a directory"),
     ]
     for q, words in cases:

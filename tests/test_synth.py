@@ -358,7 +358,7 @@ def test_overrides(tmp_path):
     ({"mtp": "both"}, "mtp must be"),
     ({"dead_experts": 7}, "live experts"),
     ({"dead_experts": [8]}, "0..7"),
-    ({"vocab": "/nonexistent.gguf"}, "does not exist"),
+    ({"vocab": "/nonexistent.gguf"}, "no such file"),
 ])
 def test_bad_input_is_a_fle_error(tmp_path, kwargs, match):
     with pytest.raises(FleError, match=match):

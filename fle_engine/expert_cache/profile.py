@@ -56,7 +56,7 @@ def save_profile(path: "str | os.PathLike[str]", profile: Profile) -> None:
 
 def load_profile(path: "str | os.PathLike[str]", fingerprint: "str | None" = None) -> Profile:
     """Read a profile; with ``fingerprint``, refuse one made for another model."""
-    data, _ = read_json_file(path, "expert cache profile")
+    data, _ = read_json_file(path, "expert cache profile", record=False)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise FleError(f"{path}: not an expert cache profile (format {FORMAT!r} expected)")
     fp = data.get("fingerprint")

@@ -6,9 +6,8 @@ import argparse
 from pathlib import Path
 
 from ..card import load_quality, make_card, write_card
-from ..errors import FleError
 from ..gguf_reader import GGUFModel
-from .common import cli_entry, exit_main
+from .common import check_outputs, cli_entry, declare_inputs, exit_main
 
 _EPILOG = """\
 Everything in the card is read from the file: front matter (base_model from
@@ -52,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = Path(args.output)
     name = args.name or (out.name[: -len(".md")] if out.name.endswith(".md") else out.name)
-    if out.exists() and not args.force:
-        raise FleError(f"{out}: output exists; choose another name or pass --force to overwrite")
+    declare_inputs(args.file, args.quality)
+    if out.parent.is_dir():  # else the card's folder is made when it is written
+        check_outputs([out], args.force)
     quality = load_quality(args.quality) if args.quality else None
     with GGUFModel.open(args.file) as model:
         text = make_card(model, name, quality)

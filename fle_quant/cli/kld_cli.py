@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from ..errors import FleError
-from .common import cli_entry, exit_main
+from .common import check_device, check_outputs, cli_entry, declare_inputs, exit_main
 
 _DESCRIPTION = (
     "Measure how far a model's next-token distributions are from a base model's, as "
@@ -41,6 +41,7 @@ def _base_parser() -> argparse.ArgumentParser:
                    help="tokens per chunk (default: 512, as llama-perplexity); the second half of each is scored")
     p.add_argument("--chunks", type=int, default=None, metavar="N", help="use at most this many chunks (default: all)")
     p.add_argument("-o", "--output", required=True, help="base file to write")
+    p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     _common(p)
     return p
 
@@ -66,6 +67,19 @@ def main(argv: list[str] | None = None) -> int:
     args = (_base_parser() if base_mode else _compare_parser()).parse_args(argv[1:] if base_mode else argv)
     if args.n_batch < 1:
         raise FleError(f"--batch-size must be at least 1, got {args.n_batch}")
+    check_device(args.device)
+    if base_mode:
+        declare_inputs(args.model, args.text)
+        check_outputs([args.output], args.force)
+        if args.n_ctx < 4:
+            raise FleError(f"-c {args.n_ctx} is too small; use -c 4 or more (llama.cpp uses 512 by default)")
+        if args.chunks is not None and args.chunks < 1:
+            raise FleError(f"--chunks must be at least 1, got {args.chunks}")
+    else:
+        declare_inputs(args.model, args.base)
+        from ..kld import read_header
+
+        read_header(args.base)  # a bad base file is refused before the model is loaded
     # torch is imported only here: fle_quant itself never needs it
     try:
         from fle_engine import kld_run
@@ -78,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if base_mode:
         text = kld_run.read_text(args.text)
         w = kld_run.write_base(args.model, text, args.output, args.n_ctx, args.chunks, device=args.device,
-                               n_batch=args.n_batch, log=_print)
+                               n_batch=args.n_batch, log=_print, force=args.force)
         ppl, unc = w.ppl_estimate()
         print(f"Final estimate: PPL = {ppl:.4f} +/- {unc:.5f}")
         print(f"wrote {w.path}: {w.header.n_chunk} chunks x {w.header.n_scored} scored tokens, "

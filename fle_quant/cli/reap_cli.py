@@ -13,12 +13,11 @@ New subcommands register in ``_COMMANDS``.
 from __future__ import annotations
 
 import argparse
-import os
 
 from ..errors import FleError
 from ..prune import prune
 from ..units import format_size, parse_size
-from .common import cli_entry, exit_main
+from .common import check_device, check_outputs, cli_entry, declare_inputs, exit_main
 
 _PRUNE_EPILOG = """\
 The score table (format fle.scores/1) holds, per MoE layer, one score per
@@ -74,6 +73,10 @@ def _run_prune(args: argparse.Namespace) -> int:
     if args.split_max_tensors is not None and args.split_max_tensors <= 0:
         raise FleError(f"--split-max-tensors must be positive, got {args.split_max_tensors}")
     split = parse_size(args.split_max_size, "--split-max-size") if args.split_max_size is not None else None
+    if args.mtp_out is not None and args.mtp_head is None:
+        raise FleError("--mtp-out needs --mtp-head (the MTP-head file to prune)")
+    declare_inputs(args.model, args.scores, args.mtp_head, args.mtp_scores)
+    check_outputs([args.output, args.mtp_out], args.force)
     result = prune(args.model, args.scores, args.keep, args.output, mtp_head=args.mtp_head, mtp_out=args.mtp_out,
                    mtp_scores=args.mtp_scores, split_max_size=split, split_max_tensors=args.split_max_tensors,
                    force=args.force)
@@ -147,17 +150,20 @@ def _add_score(sub: "argparse._SubParsersAction") -> None:
 
 
 def _run_score(args: argparse.Namespace) -> int:
+    from ..files import check_input
     from ..scoring import score
-    from ..sensitivity import check_output
     from ..textio import write_json_atomic
 
+    declare_inputs(args.model, args.text, args.mtp_head)
     for what, path in [("MODEL", args.model), ("--text", args.text)] + \
             ([("--mtp-head", args.mtp_head)] if args.mtp_head else []):
-        if not os.path.isfile(path):
-            raise FleError(f"{path}: no such file (given as {what})")
+        check_input(path, f"file given as {what}")
     if args.tokens < 1:
         raise FleError(f"--tokens must be at least 1, got {args.tokens}")
-    check_output(args.output, args.force)
+    if args.ctx < 1:
+        raise FleError(f"--ctx must be at least 1, got {args.ctx}")
+    check_outputs([args.output], args.force)
+    check_device(args.device)
     table = score(args.model, args.text, method=args.method, n_tokens=args.tokens, ctx=args.ctx,
                   mtp_head=args.mtp_head, device=args.device, progress=True)
     write_json_atomic(args.output, table, args.force)

@@ -8,7 +8,7 @@ from ..errors import FleError
 from ..imatrix import KEY_IMATRIX_SHA256
 from ..requant import MEASURE_ROWS, format_report, requant
 from ..units import format_size, parse_size
-from .common import cli_entry, exit_main
+from .common import check_outputs, cli_entry, declare_inputs, exit_main
 
 _EPILOG = f"""\
 --tensors is a Python regular expression searched anywhere in each tensor name
@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.split_max_tensors is not None and args.split_max_tensors <= 0:
         raise FleError(f"--split-max-tensors must be positive, got {args.split_max_tensors}")
     split = parse_size(args.split_max_size, "--split-max-size") if args.split_max_size is not None else None
+    declare_inputs(args.model, args.imatrix)
+    check_outputs([args.output], args.force)
     reports, written = requant(args.model, args.tensors, args.type, args.output, force=args.force,
                                split_max_size=split, split_max_tensors=args.split_max_tensors,
                                imatrix=args.imatrix)

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
 from ..errors import FleError
 from ..select import (DEFAULT_STEP_BYTES, format_selection, load_table, select_for_error,
                       select_for_target)
 from ..textio import write_json_atomic
 from ..units import parse_size
-from .common import cli_entry, exit_main
+from .common import check_outputs, cli_entry, declare_inputs, exit_main
 
 _EPILOG = """\
 sizes: decimal units as llama.cpp and Hugging Face print them (88.9GB = 88.9 x 10^9
@@ -65,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
 @cli_entry("fle-select")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if os.path.exists(args.output) and not args.force:
-        raise FleError(f"{args.output} exists; pass --force to replace it")
+    declare_inputs(args.sensitivity)
+    check_outputs([args.output], args.force)
     step = parse_size(args.step, "--step")
     if step < 1:
         raise FleError("--step must be at least 1 byte")

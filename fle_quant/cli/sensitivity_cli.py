@@ -7,8 +7,9 @@ import argparse
 import os
 
 from ..errors import FleError
+from ..files import check_input
 from ..sensitivity import DEFAULT_BASE_NAME, DEFAULT_CTX, DEFAULT_TOKENS, check_output, measure, write_json_atomic
-from .common import cli_entry, exit_main
+from .common import check_device, check_outputs, cli_entry, declare_inputs, exit_main
 
 _EPILOG = """\
 The reference (--ref) is the most accurate file you have (BF16, Q8_0, ...). It
@@ -84,8 +85,7 @@ def parse_donors(items: list[str]) -> dict[str, str]:
 def _check_inputs(args: argparse.Namespace, donors: dict[str, str]) -> None:
     for what, path in [("--ref", args.ref), ("--text", args.text)] + ([("--base", args.base)] if args.base else []) \
             + [(f"--donor {n}", p) for n, p in donors.items()]:
-        if not os.path.isfile(path):
-            raise FleError(f"{path}: no such file (given as {what})")
+        check_input(path, f"file given as {what}")
     if args.tokens < 1:
         raise FleError(f"--tokens must be at least 1, got {args.tokens}")
     if args.ctx < 1:
@@ -100,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     donors = parse_donors(args.donor)
     if not donors and args.base is None:
         raise FleError("no candidates: give at least one --donor NAME=FILE (or a --base to measure)")
+    declare_inputs(args.ref, args.text, args.base, *donors.values())
     _check_inputs(args, donors)
-    check_output(args.output, args.force)
+    check_outputs([args.output], args.force)
+    check_device(args.device)
     table = measure(args.ref, donors, args.text, n_tokens=args.tokens, ctx=args.ctx, base=args.base,
                     base_name=args.base_name, device=args.device, work_dir=args.work_dir, progress=True)
     write_json_atomic(args.output, table, args.force)

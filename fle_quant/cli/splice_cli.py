@@ -8,7 +8,7 @@ import sys
 from ..errors import FleError
 from ..splice import execute, fill_provenance, format_plan, plan_splice
 from ..units import parse_size
-from .common import cli_entry, exit_main
+from .common import check_outputs, cli_entry, declare_inputs, exit_main
 
 _EPILOG = """\
 The selection names a source per MoE layer: its "base" name stands for --base,
@@ -80,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         raise FleError("--split-max-size must be positive")
     if args.split_max_tensors is not None and args.split_max_tensors <= 0:
         raise FleError("--split-max-tensors must be positive")
-    plan = plan_splice(args.base, _donors(args.donor), args.selection, args.output,
+    donors = _donors(args.donor)
+    declare_inputs(args.base, args.selection, *donors.values())
+    if not args.dry_run:
+        check_outputs([args.output], args.force)
+    plan = plan_splice(args.base, donors, args.selection, args.output,
                        split_max_size=split_size, split_max_tensors=args.split_max_tensors, force=args.force)
     for name in plan.unused_donors:
         print(f"fle-splice: warning: donor {name!r} is not used by the selection; ignored", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli.common import check_outputs, cli_entry, declare_inputs, exit_main
 from ..errors import FleError
 
 _SIZE_SUFFIX = {"": 1, "K": 1000, "M": 1000 ** 2, "G": 1000 ** 3}
@@ -75,49 +76,48 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@cli_entry("fle-synth")
 def main(argv=None) -> int:
     from . import make_model
 
     args = build_parser().parse_args(argv)
-    try:
-        overrides = {}
-        for item in args.set:
-            key, sep, value = item.partition("=")
-            if not sep or not key.strip():
-                raise FleError(f"--set {item!r}: expected KEY=VALUE")
-            overrides[key.strip().replace(".", "_")] = value.strip()
-        mix = args.mix if args.mix is not None else ("release" if args.fast else "f32")
-        if args.rule:
-            from .mix import PRESETS
+    declare_inputs(args.vocab)
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise FleError(f"--set {item!r}: expected KEY=VALUE")
+        overrides[key.strip().replace(".", "_")] = value.strip()
+    mix = args.mix if args.mix is not None else ("release" if args.fast else "f32")
+    if args.rule:
+        from .mix import PRESETS
 
-            if mix.lower() not in PRESETS:
-                raise FleError(f"unknown mix {mix!r}; presets: {', '.join(PRESETS)}")
-            rules = []
-            for item in args.rule:
-                regex, sep, qtype = item.rpartition("=")
-                if not sep or not regex:
-                    raise FleError(f"--rule {item!r}: expected REGEX=TYPE, e.g. 'ffn_up_exps=IQ3_S'")
-                rules.append((regex, qtype.strip()))
-            mix = rules + list(PRESETS[mix.lower()])
-        if args.fast:
-            from .fast import make_fast_model
+        if mix.lower() not in PRESETS:
+            raise FleError(f"unknown mix {mix!r}; presets: {', '.join(PRESETS)}")
+        rules = []
+        for item in args.rule:
+            regex, sep, qtype = item.rpartition("=")
+            if not sep or not regex:
+                raise FleError(f"--rule {item!r}: expected REGEX=TYPE, e.g. 'ffn_up_exps=IQ3_S'")
+            rules.append((regex, qtype.strip()))
+        mix = rules + list(PRESETS[mix.lower()])
+    check_outputs([args.output], args.force)
+    if args.fast:
+        from .fast import make_fast_model
 
-            path = make_fast_model(args.output, args.arch, args.seed, mix=mix,
-                                   split_max_size=args.split_max_size, split_max_tensors=args.split_max_tensors,
-                                   mtp=args.mtp, vocab=args.vocab, force=args.force,
-                                   routing_skew=args.routing_skew, dead_experts=args.dead_experts,
-                                   progress=True, **overrides)
-        else:
-            path = make_model(args.output, args.arch, args.seed, mix=mix, split_max_size=args.split_max_size,
-                              split_max_tensors=args.split_max_tensors, mtp=args.mtp, vocab=args.vocab,
-                              force=args.force, routing_skew=args.routing_skew, dead_experts=args.dead_experts,
-                              **overrides)
-    except FleError as e:
-        print(f"fle-synth: error: {e}", file=sys.stderr)
-        return 2
+        path = make_fast_model(args.output, args.arch, args.seed, mix=mix,
+                               split_max_size=args.split_max_size, split_max_tensors=args.split_max_tensors,
+                               mtp=args.mtp, vocab=args.vocab, force=args.force,
+                               routing_skew=args.routing_skew, dead_experts=args.dead_experts,
+                               progress=True, **overrides)
+    else:
+        path = make_model(args.output, args.arch, args.seed, mix=mix, split_max_size=args.split_max_size,
+                          split_max_tensors=args.split_max_tensors, mtp=args.mtp, vocab=args.vocab,
+                          force=args.force, routing_skew=args.routing_skew, dead_experts=args.dead_experts,
+                          **overrides)
     print(path)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_main(main)

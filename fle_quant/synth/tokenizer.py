@@ -137,11 +137,11 @@ def builtin_vocab(n_vocab: int = 512) -> Vocab:
 
 def vocab_from_gguf(path) -> Vocab:
     """The ``tokenizer.*`` entries of GGUF file ``path``, types preserved."""
+    from ..files import check_input
     from ..gguf_reader import GGUFModel
 
     path = Path(path)
-    if not path.is_file():
-        raise FleError(f"vocabulary file {path} does not exist; pass a GGUF with tokenizer.* metadata")
+    check_input(path, "vocabulary GGUF (with tokenizer.* metadata)")
     with GGUFModel.open(path) as model:
         kvs = []
         for key, value in model.metadata.items():
