@@ -93,7 +93,7 @@ class Engine:
     runtime = True              # what the server asks to tell the engine from the reference Model
 
     def __init__(self, path, *, device="cuda", cache_budget="auto", ctx_size: int = 4096,
-                 cache_type_k: str = "f16", cache_type_v: str = "f16", impl: str = "auto", miss_split="auto",
+                 cache_type_k: str = "f16", cache_type_v: str = "f16", impl: str = "auto", miss_split="gpu",
                  cpu_impl: str = "auto",
                  profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
                  progress: bool = True, log=None):
@@ -226,7 +226,7 @@ class Engine:
         rng = np.random.default_rng(0)
         ids = torch.from_numpy(rng.choice(a.n_expert, k, replace=False).astype(np.int64)).to(dev)
         none = torch.full((a.n_expert,), -1, dtype=torch.int32, device=dev)
-        x = torch.randn(1, a.n_embd, device=dev) * 0.1
+        x = torch.from_numpy(rng.standard_normal((1, a.n_embd)).astype(np.float32) * 0.1).to(dev)   # no CUDA RNG
         h = torch.zeros(k, lay.n_ff, device=dev)
         y = torch.zeros(k, a.n_embd, device=dev)
         w = torch.full((k,), 1.0 / k, device=dev)
