@@ -97,7 +97,7 @@ class Layer:
     ple: "PLE | None" = None
 
 
-class HostTable:
+class HostTable(W.PageLocked):
     """A quantized table's raw rows in one host buffer (page-locked on
     CUDA), read once from the file; ``anchor`` is a one-row device tensor
     from which the fast kernel addresses the buffer (``delta`` words)."""
@@ -109,11 +109,8 @@ class HostTable:
         self.buf = np.empty(raw.shape, np.uint8)
         self.buf[:] = raw
         self.host = torch.from_numpy(self.buf)
-        self.pinned = False
         if pin:
-            W.pin_host(self.buf.reshape(-1), f"the PLE table ({name})",
-                       "the GPU reads the rows of each token from page-locked memory")
-            self.pinned = True
+            self.lock(f"the PLE table ({name})", "the GPU reads the rows of each token from page-locked memory")
         self.anchor = torch.zeros(1, self.buf.shape[1], dtype=torch.uint8, device=device)
         self.delta = 0
         if self.qtype in engine_ops.WORDS:
@@ -127,16 +124,6 @@ class HostTable:
     def nbytes(self) -> int:
         return self.buf.nbytes
 
-    def close(self) -> None:
-        if self.pinned:
-            W._cudart().cudaHostUnregister(self.buf.ctypes.data)
-            self.pinned = False
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 class Net(qwen3next.Net):

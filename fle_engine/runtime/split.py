@@ -42,6 +42,7 @@ from numba.extending import intrinsic
 from fle_quant.errors import FleError
 
 from ..kernels.reference import dequantize_weights
+from .weights import PageLocked
 
 __all__ = ["SHARE_ONE", "cpu_count", "parse_split", "MissSplit", "ReferenceCpuExperts", "CpuExperts", "cpu_experts"]
 
@@ -217,7 +218,7 @@ class _Mapped:
         return self._addr
 
 
-class MissSplit:
+class MissSplit(PageLocked):
     """The mailbox, the worker and the share of one engine.
 
     ``layers``: the layers whose misses are split (those that can miss);
@@ -232,12 +233,8 @@ class MissSplit:
         self.box_words = 3 * K + D
         words = 2 * 8 + 2 * L * 2 + L * D + L * self.box_words     # stop/err, flags/done (int64), results, boxes
         self.buf = np.zeros(words + 64, np.float32)
-        self.registered = False
         if cuda:
-            err = torch.cuda.cudart().cudaHostRegister(self.buf.ctypes.data, self.buf.nbytes, 3)
-            if int(getattr(err, "value", err)) != 0:
-                raise FleError("cannot page-lock the CPU-miss mailbox; run with --miss-split gpu")
-            self.registered = True
+            self.lock("the CPU-miss mailbox", "run with --miss-split gpu")
         i64 = self.buf[:16 + 4 * L].view(np.int64)
         self.stop, self.err = i64[0:1], i64[1:2]
         self.flags, self.done = i64[8:8 + L], i64[8 + L:8 + 2 * L]
@@ -318,16 +315,9 @@ class MissSplit:
                                                      "did not answer in time") + "; run with --miss-split gpu")
 
     def close(self) -> None:
-        self.stop[0] = 1
-        if self._thread is not None:
+        if getattr(self, "stop", None) is not None:
+            self.stop[0] = 1
+        if getattr(self, "_thread", None) is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.buf.ctypes.data)
-            self.registered = False
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+        super().close()

@@ -21,6 +21,7 @@ from fle_quant.errors import FleError
 from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 
 from ..kernels import engine_ops
+from ..kernels.cpu_experts import Geometry
 
 __all__ = ["DenseMatrix", "ExpertLayout", "HostExperts", "dense", "vector", "FAST_TYPES"]
 
@@ -136,23 +137,9 @@ def vector(gguf, name: str, device, n: int) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(vals.reshape(n))).to(device)
 
 
-@dataclass(frozen=True)
-class ExpertLayout:
-    """Where the parts of one layer's experts sit in an expert's bytes."""
-    n_ff: int
-    n_embd: int
-    gu_type: GGMLType
-    gu_row_bytes: int
-    down_type: GGMLType
-    down_row_bytes: int
-
-    @property
-    def down_offset(self) -> int:
-        return _align(2 * self.n_ff * self.gu_row_bytes, 16)
-
-    @property
-    def expert_bytes(self) -> int:
-        return _align(self.down_offset + self.n_embd * self.down_row_bytes, 16)
+# where the parts of one layer's experts sit in an expert's bytes: one definition, torch-free, shared
+# with the CPU expert kernels
+ExpertLayout = Geometry
 
 
 def expert_layout(gguf, il: int, n_ff: int, n_embd: int, *, fast_needed: bool) -> tuple[ExpertLayout, list]:
@@ -205,7 +192,31 @@ def pin_host(buf: np.ndarray, what: str, why: str) -> None:
                        f"RAM; {why}")
 
 
-class HostExperts:
+class PageLocked:
+    """A host buffer ``self.buf`` page-locked and mapped for the GPU while
+    its owner lives (:func:`pin_host`); the registration ends in
+    :meth:`close` or at collection, before the memory goes back to the
+    allocator, which may hand the same addresses to the next buffer."""
+
+    pinned = False
+
+    def lock(self, what: str, why: str) -> None:
+        pin_host(self.buf.reshape(-1), what, why)
+        self.pinned = True
+
+    def close(self) -> None:
+        if self.pinned:
+            _cudart().cudaHostUnregister(self.buf.ctypes.data)
+            self.pinned = False
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class HostExperts(PageLocked):
     """Every layer's routed experts in one host buffer (page-locked on CUDA).
 
     ``view(l)``: uint8 [E, expert_bytes[l]] of layer l; ``address(l)``: its
@@ -225,26 +236,8 @@ class HostExperts:
             raise FleError(f"the routed experts take {off / 2**30:.1f} GiB of host memory and this machine "
                            f"cannot allocate that; use a smaller file or a machine with more RAM") from None
         self.tensor = torch.from_numpy(self.buf)
-        self.pinned = False
         if pin:
-            self._pin()
-
-    def _pin(self) -> None:
-        pin_host(self.buf, "the routed experts", "misses are read by the GPU from page-locked memory")
-        self.pinned = True
-
-    def close(self) -> None:
-        if self.pinned:
-            _cudart().cudaHostUnregister(self.buf.ctypes.data)
-            self.pinned = False
-
-    def __del__(self) -> None:
-        # the registration must end before the memory goes back to the allocator, which may hand the
-        # same addresses to the next buffer
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+            self.lock("the routed experts", "misses are read by the GPU from page-locked memory")
 
     def view(self, il: int) -> Tensor:
         n = self.n_expert * self.layouts[il].expert_bytes

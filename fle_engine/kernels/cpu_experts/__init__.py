@@ -46,8 +46,10 @@ CHUNK = 16  # output rows per work item of the thread pool
 
 
 class Geometry(NamedTuple):
-    """An expert layout without torch: the fields and properties of
-    ``ExpertLayout`` that the kernels read (either can be passed)."""
+    """Where the parts of one layer's experts sit in an expert's bytes: its
+    gate rows, then its up rows (one block), then, at the next 16-byte
+    boundary, its down rows (the engine's ``runtime.weights.ExpertLayout``
+    is this class)."""
     n_ff: int
     n_embd: int
     gu_type: GGMLType
