@@ -163,3 +163,22 @@ def sha256_model(paths: Sequence["str | os.PathLike[str]"], *, use_cache: bool =
     if not paths:
         raise FleError("no files to hash")
     return combine_shard_digests([sha256_file(p, use_cache=use_cache, progress=progress) for p in paths])
+
+
+def model_fingerprint(model) -> str:
+    """SHA-256 (hex) of a model's expert layout and shard sizes: what tells
+    the files of one model from another's of the same shape (score tables,
+    expert cache profiles). ``model``: a path or an open GGUFModel."""
+    from .gguf_reader import GGUFModel
+
+    if not isinstance(model, GGUFModel):
+        with GGUFModel.open(model) as g:
+            return model_fingerprint(g)
+    h = hashlib.sha256(str(model.arch).encode())
+    for t in sorted(model.tensors.values(), key=lambda t: t.name):
+        if "_exps." in t.name or t.name.endswith(".ffn_gate_inp.weight"):
+            h.update(f"|{t.name}:{list(t.shape)}:{int(t.qtype)}".encode())
+    for p in model.paths:
+        h.update(f"|{Path(p).stat().st_size}".encode())
+    return h.hexdigest()
+

@@ -123,6 +123,7 @@ class Scores:
     layers: dict[int, np.ndarray]
     sha256: str
     source: str  # where it came from, for messages
+    fingerprints: tuple = ()  # (model, MTP head) fingerprints recorded by fle-reap score, when present
 
 
 def load_scores(path: "str | os.PathLike[str]") -> Scores:
@@ -171,8 +172,39 @@ def parse_scores(obj: Any, sha256: str = "", source: str = "scores") -> Scores:
             if not math.isfinite(v):
                 raise FleError(f"{lw}[{i}] is {v!r}; scores must be finite numbers")
         out[int(key)] = np.asarray(values, dtype=np.float64)
+    info = obj.get("info") or {}
+    fps = tuple(info.get(k) for k in ("model_fingerprint", "mtp_head_fingerprint"))
+    for k, v in zip(("model_fingerprint", "mtp_head_fingerprint"), fps):
+        if v is not None and not (isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)):
+            raise FleError(f"{where}: info.{k} must be a SHA-256 in hex (as fle-reap score writes it), got {v!r}")
     return Scores(method=method, model=model, tokens=tokens, layers=dict(sorted(out.items())),
-                  sha256=sha256, source=source)
+                  sha256=sha256, source=source, fingerprints=fps)
+
+
+def check_scores_match(scores: Scores, model: GGUFModel, head: "GGUFModel | None" = None) -> None:
+    """A table that records the fingerprint of the model it was measured on
+    (fle-reap score does) must be that of ``model`` (and of ``head``, the
+    separate MTP head it was scored with)."""
+    from .digest import model_fingerprint
+
+    fp_model, fp_head = scores.fingerprints or (None, None)
+    for fp, m, what in ((fp_model, model, "model"), (fp_head, head, "MTP head")):
+        if fp is not None and m is not None and model_fingerprint(m) != fp:
+            raise FleError(f"{scores.source}: these scores were measured on another {what} than {m.paths[0]} "
+                           f"(its fingerprint differs); score this file with fle-reap score")
+
+
+_SAME_MODEL_KEYS = ("embedding_length", "expert_count", "expert_feed_forward_length", "vocab_size")
+
+
+def check_head_matches(model: GGUFModel, head: GGUFModel) -> None:
+    """A separate MTP head must belong to ``model``: the same width, experts,
+    expert width and vocabulary."""
+    for k in _SAME_MODEL_KEYS:
+        a, b = model.hparam(k, None), head.hparam(k, None)
+        if a is not None and b is not None and a != b:
+            raise FleError(f"{head.paths[0]}: {head.arch}.{k} = {b}, but the model {model.paths[0]} has {a}; "
+                           f"give the MTP head made for this model")
 
 
 # ---------------------------------------------------------------------------
@@ -383,6 +415,11 @@ def prune(
         trunk = plan_prune(model, trunk_scores, keep)
         head_model = GGUFModel.open(mtp_head) if mtp_head is not None else None
         try:
+            check_scores_match(trunk_scores, model, head_model if head_scores is trunk_scores else None)
+            if head_model is not None:
+                check_head_matches(model, head_model)
+                if head_scores is not trunk_scores:
+                    check_scores_match(head_scores, head_model)
             head = plan_prune(head_model, head_scores, keep) if head_model is not None else None
             _check_all_used(trunk_scores, head_scores, trunk, head)
             for o in outputs:

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
+from .digest import model_fingerprint
 from .errors import FleError
 from .gguf_reader import GGUFModel
 from .prune import SCORES_FORMAT, parse_scores
@@ -183,6 +184,8 @@ def score(model_path: "str | os.PathLike[str]", text: "str | os.PathLike[str]", 
             "text_sha256": hashlib.sha256(Path(text).read_bytes()).hexdigest(),
             "ctx": ctx,
             "mtp_head": None if mtp_head is None else str(mtp_head),
+            "model_fingerprint": model_fingerprint(model_path),
+            "mtp_head_fingerprint": None if mtp_head is None else model_fingerprint(mtp_head),
             "mtp": note["mtp"],
             "layer_tokens": {str(layer): st.tokens for layer, st in stats.items()},
             "routed_tokens": {str(layer): [int(c) for c in st.count] for layer, st in stats.items()},

@@ -79,7 +79,9 @@ COMMANDS = [
         ["model"], out="gguf", split=["--split-max-tensors", "8"]),
     Cmd("select", "fle_quant.cli.select_cli", ["--sensitivity", "{sens}", "--max-error", "1e9", "-o", "{out}"],
         ["sens"], json=["sens"], out="json"),
+    Cmd("inspect-json", "fle_quant.cli.inspect_cli", ["{model}", "--json"], ["model"]),
     Cmd("recipe", "fle_quant.cli.recipe_cli", ["validate", "{recipe}"], ["recipe"], json=["recipe"]),
+    Cmd("recipe-show", "fle_quant.cli.recipe_cli", ["show", "{recipe}"], ["recipe"], json=["recipe"]),
     Cmd("splice", "fle_quant.cli.splice_cli",
         ["--base", "{model}", "--donor", "Q8={donor}", "--selection", "{sel}", "-o", "{out}"],
         ["model", "donor", "sel"], json=["sel"], out="gguf", split=["--split-max-tensors", "8"]),
@@ -101,6 +103,8 @@ COMMANDS = [
     Cmd("kld", "fle_quant.cli.kld_cli", ["{model}", "--base", "{kld}"], ["model", "kld"], torch=True),
     Cmd("generate", "fle_engine.cli", ["generate", "{model}", "-p", "hello", "-n", "2", "--temp", "0",
                                        "--device", "cpu", "--cache-profile", "none"], ["model"], torch=True),
+    # the server: its model is checked before it listens (the HTTP side's bad requests: tests/test_server*.py)
+    Cmd("serve", "fle_engine.cli", ["serve", "{model}", "--device", "cpu", "--port", "0"], ["model"], torch=True),
 ]
 WRITERS = [c for c in COMMANDS if c.out]
 BY_NAME = {c.name: c for c in COMMANDS}

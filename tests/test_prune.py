@@ -462,3 +462,32 @@ def test_interrupt_while_writing_head_removes_trunk(tmp_path, capsys, monkeypatc
 def test_load_scores_sha(tmp_path):
     p = write_scores(tmp_path / "s.json", {0: [1.0, 2.0]})
     assert load_scores(p).sha256 == hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_scores_of_another_model_refused(tmp_path, capsys, qmoe, with_bias):
+    """A table that records the fingerprint of the file it was measured on
+    (as fle-reap score writes it) prunes that file only."""
+    from fle_quant.digest import model_fingerprint
+
+    layers = random_scores(6, range(4))
+    out = tmp_path / "out.gguf"
+    other = write_scores(tmp_path / "o.json", layers, info={"model_fingerprint": model_fingerprint(with_bias)})
+    rc, _, err = run(capsys, "prune", qmoe, "--scores", other, "--keep", 5, "-o", out)
+    assert rc == 2 and "another model" in err and str(qmoe) in err
+    assert not out.exists()
+    own = write_scores(tmp_path / "s.json", layers, info={"model_fingerprint": model_fingerprint(qmoe)})
+    rc, _, err = run(capsys, "prune", qmoe, "--scores", own, "--keep", 5, "-o", out)
+    assert rc == 0, err
+    bad = write_scores(tmp_path / "b.json", layers, info={"model_fingerprint": "xyz"})
+    rc, _, err = run(capsys, "prune", qmoe, "--scores", bad, "--keep", 5, "-o", tmp_path / "o2.gguf")
+    assert rc == 2 and "model_fingerprint" in err
+
+
+def test_mtp_head_of_another_model_refused(tmp_path, capsys, q4exp_separate):
+    other = make_model(tmp_path / "w.gguf", "qwen4exp", mtp="separate", expert_feed_forward_length=32)
+    sc = write_scores(tmp_path / "s.json", random_scores(7, range(5)))
+    out, hout = tmp_path / "out.gguf", tmp_path / "out-mtp.gguf"
+    rc, _, err = run(capsys, "prune", q4exp_separate, "--scores", sc, "--keep", 4, "-o", out,
+                     "--mtp-head", mtp_path(other), "--mtp-out", hout)
+    assert rc == 2 and "expert_feed_forward_length" in err and "MTP head made for this model" in err
+    assert not out.exists() and not hout.exists()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fle_quant.digest import model_fingerprint  # noqa: F401 - part of this module's API
 from fle_quant.errors import FleError
 from fle_quant.gguf_reader import GGUFModel
 from fle_quant.textio import read_json_file, write_json_atomic
@@ -32,20 +33,6 @@ FORMAT = "fle.cache-profile/1"
 class Profile:
     fingerprint: str
     counts: dict[int, np.ndarray]
-
-
-def model_fingerprint(model: "GGUFModel | str | os.PathLike[str]") -> str:
-    """SHA-256 (hex) of the model's expert layout and shard sizes."""
-    if not isinstance(model, GGUFModel):
-        with GGUFModel.open(model) as g:
-            return model_fingerprint(g)
-    h = hashlib.sha256(str(model.arch).encode())
-    for t in sorted(model.tensors.values(), key=lambda t: t.name):
-        if "_exps." in t.name or t.name.endswith(".ffn_gate_inp.weight"):
-            h.update(f"|{t.name}:{list(t.shape)}:{int(t.qtype)}".encode())
-    for p in model.paths:
-        h.update(f"|{Path(p).stat().st_size}".encode())
-    return h.hexdigest()
 
 
 def save_profile(path: "str | os.PathLike[str]", profile: Profile) -> None:
