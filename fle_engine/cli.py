@@ -27,8 +27,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-budget", default="auto", metavar="SIZE",
                    help="engine: GPU bytes for routed experts, e.g. 17GiB; auto (default): free GPU memory after "
                         "the weights, KV cache and buffers")
-    p.add_argument("--cache-type-k", default="f16", choices=("f16", "bf16", "f32"), help="engine: KV cache type of K")
-    p.add_argument("--cache-type-v", default="f16", choices=("f16", "bf16", "f32"), help="engine: KV cache type of V")
+    p.add_argument("--cache-type-k", "-ctk", default="f16", choices=("f16", "bf16", "f32", "q8_0"),
+                   help="engine: KV cache type of K (q8_0: ggml's 8-bit blocks, as llama.cpp's -ctk q8_0)")
+    p.add_argument("--cache-type-v", "-ctv", default="f16", choices=("f16", "bf16", "f32", "q8_0"),
+                   help="engine: KV cache type of V")
     p.add_argument("--cache-profile", default="auto", metavar="FILE",
                    help="engine: expert usage profile, loaded at start and saved every 600 s and at exit; "
                         "auto (default): ~/.cache/fle/profiles/<model fingerprint>.json; none: no profile")

@@ -56,7 +56,7 @@ from fle_quant.ggml_types import GGMLType
 
 from .reference import dequantize_weights
 
-__all__ = ["OPS", "pick", "ExpertWords", "WORDS"]
+__all__ = ["OPS", "pick", "ExpertWords", "WORDS", "Q8Cache", "q8_0_quantize", "kv_nbytes"]
 
 
 class ExpertWords:
@@ -67,6 +67,54 @@ class ExpertWords:
 
     def __init__(self, slots: Tensor, host: Tensor, word: int):
         self.slots, self.host, self.word = slots, host, int(word)
+
+
+class Q8Cache:
+    """A K or V cache in ggml's q8_0: per block of 32 values along the head
+    dimension, int8 values and one float16 scale (``d = amax / 127``, values
+    ``round(x / d)``), as llama.cpp's ``-ctk q8_0`` keeps it; stored as two
+    arrays, ``q`` int8 [Hkv, P, Dh] and ``d`` float16 [Hkv, P, Dh / 32]."""
+
+    BLOCK = 32
+
+    def __init__(self, n_kv: int, n_pos: int, head_dim: int, device):
+        if head_dim % self.BLOCK:
+            raise FleError(f"a q8_0 KV cache needs a head size that is a multiple of 32, not {head_dim}; "
+                           f"use --cache-type-k/-v f16")
+        self.q = torch.zeros(n_kv, n_pos, head_dim, dtype=torch.int8, device=device)
+        self.d = torch.zeros(n_kv, n_pos, head_dim // self.BLOCK, dtype=torch.float16, device=device)
+        self.shape = self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + 2 * self.d.numel()
+
+    def store(self, p: int, x: Tensor) -> None:
+        """Quantize ``x`` [Hkv, Dh] (float32) into position ``p``."""
+        q, d = q8_0_quantize(x)
+        self.q[:, p], self.d[:, p] = q, d
+
+    def values(self, length: int) -> Tensor:
+        """Positions 0..length-1 as float32 [Hkv, length, Dh]."""
+        q, d = self.q[:, :length].float(), self.d[:, :length].float()
+        return q * d.repeat_interleave(self.BLOCK, dim=-1)
+
+
+def q8_0_quantize(x: Tensor) -> tuple[Tensor, Tensor]:
+    """ggml's ``quantize_row_q8_0`` on the last dimension of float32 ``x``:
+    (int8 values, float16 scales). The scale is computed and applied in
+    float32 and stored as float16; values round half away from zero."""
+    xb = x.float().reshape(*x.shape[:-1], -1, Q8Cache.BLOCK)
+    amax = xb.abs().amax(-1)
+    d = amax / 127.0
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    v = xb * inv[..., None]
+    q = torch.where(v >= 0, torch.floor(v + 0.5), torch.ceil(v - 0.5)).to(torch.int8)
+    return q.reshape(x.shape), d.to(torch.float16)
+
+
+def kv_nbytes(c) -> int:
+    return c.nbytes if isinstance(c, Q8Cache) else c.numel() * c.element_size()
 
 
 # ---------------------------------------------------------------------------
@@ -169,8 +217,12 @@ def qk_rope_kv_ref(qkv: Tensor, q_norm, k_norm, eps: float, cos: Tensor, sin: Te
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     c, s = cos[p:p + 1], sin[p:p + 1]
     q_out.copy_(apply_rope_neox(q, c, s).reshape(-1))
-    k_cache[:, p] = apply_rope_neox(k, c, s)[0].to(k_cache.dtype)
-    v_cache[:, p] = v.to(v_cache.dtype)
+    k = apply_rope_neox(k, c, s)[0]
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        if isinstance(cache, Q8Cache):
+            cache.store(p, x)
+        else:
+            cache[:, p] = x.to(cache.dtype)
 
 
 def attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
@@ -178,8 +230,7 @@ def attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scal
     n_kv, _, dh = k_cache.shape
     length = int(pos.reshape(-1)[0]) + 1
     qh = q.view(n_kv, -1, dh).float()                                  # [Hkv, G, Dh]
-    k = k_cache[:, :length].float()
-    v = v_cache[:, :length].float()
+    k, v = (c.values(length) if isinstance(c, Q8Cache) else c[:, :length].float() for c in (k_cache, v_cache))
     scores = torch.matmul(qh, k.transpose(1, 2)) * scale
     if keep is not None:
         kept = keep.to(torch.bool)[torch.arange(length, device=keep.device) // ratio]

@@ -355,9 +355,22 @@ def add_rmsnorm(x: Tensor, parts: "Tensor | None", weight: Tensor, eps: float, o
 
 
 @triton.jit
-def _qk_rope_kv_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache, v_cache,
+def _store_q8(q_ptr, d_ptr, row, y, DH: tl.constexpr):
+    """ggml's q8_0 of one head row ``y`` [DH]: per 32 values d = amax / 127,
+    values round(y / d) half away from zero, d stored as float16."""
+    yb = tl.reshape(y, (DH // 32, 32))
+    d = tl.max(tl.abs(yb), axis=1) / 127.0
+    inv = tl.where(d > 0, 1.0 / tl.where(d > 0, d, 1.0), 0.0)
+    v = yb * inv[:, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5))
+    tl.store(q_ptr + row * DH + tl.arange(0, DH), tl.reshape(q, (DH,)).to(tl.int8))
+    tl.store(d_ptr + row * (DH // 32) + tl.arange(0, DH // 32), d.to(tl.float16))
+
+
+@triton.jit
+def _qk_rope_kv_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache, v_cache, kd_ptr, vd_ptr,
                        n_head, n_kv, n_pos, eps, DH: tl.constexpr, NROT: tl.constexpr,
-                       HAS_NORM: tl.constexpr):
+                       HAS_NORM: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr):
     pid = tl.program_id(0)
     pos = tl.load(pos_ptr).to(tl.int64)
     d = tl.arange(0, DH)
@@ -382,11 +395,17 @@ def _qk_rope_kv_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr
             tl.store(q_ptr + base + d, y)
         else:
             j = (pid - n_head).to(tl.int64)
-            tl.store(k_cache + (j * n_pos + pos) * DH + d, y.to(k_cache.dtype.element_ty))
+            if K_Q8:
+                _store_q8(k_cache, kd_ptr, j * n_pos + pos, y, DH)
+            else:
+                tl.store(k_cache + (j * n_pos + pos) * DH + d, y.to(k_cache.dtype.element_ty))
     else:
         j = (pid - n_head - n_kv).to(tl.int64)
         v = tl.load(qkv_ptr + (n_head + n_kv) * DH + j * DH + d)
-        tl.store(v_cache + (j * n_pos + pos) * DH + d, v.to(v_cache.dtype.element_ty))
+        if V_Q8:
+            _store_q8(v_cache, vd_ptr, j * n_pos + pos, v, DH)
+        else:
+            tl.store(v_cache + (j * n_pos + pos) * DH + d, v.to(v_cache.dtype.element_ty))
 
 
 def qk_rope_kv(qkv: Tensor, q_norm: "Tensor | None", k_norm: "Tensor | None", eps: float, cos: Tensor, sin: Tensor,
@@ -396,9 +415,20 @@ def qk_rope_kv(qkv: Tensor, q_norm: "Tensor | None", k_norm: "Tensor | None", ep
     normed and rotated; k (normed, rotated) and v written at ``pos`` into
     ``k_cache``/``v_cache`` [Hkv, P, Dh]."""
     has_norm = q_norm is not None
+    (kq, kd, k8), (vq, vd, v8) = _kv_parts(k_cache), _kv_parts(v_cache)
     _qk_rope_kv_kernel[(n_head + 2 * n_kv,)](
-        qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, pos, q_out, k_cache, v_cache,
-        n_head, n_kv, k_cache.shape[1], float(eps), DH=head_dim, NROT=n_rot, HAS_NORM=has_norm, num_warps=1)
+        qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, pos, q_out, kq, vq, kd, vd,
+        n_head, n_kv, k_cache.shape[1], float(eps), DH=head_dim, NROT=n_rot, HAS_NORM=has_norm, K_Q8=k8, V_Q8=v8,
+        num_warps=1)
+
+
+def _kv_parts(cache):
+    """(values, scales, is q8_0) of a KV cache: a tensor, or a Q8Cache."""
+    from .engine_ops import Q8Cache
+
+    if isinstance(cache, Q8Cache):
+        return cache.q, cache.d, True
+    return cache, cache, False
 
 
 # ---------------------------------------------------------------------------
@@ -406,9 +436,9 @@ def qk_rope_kv(qkv: Tensor, q_norm: "Tensor | None", k_norm: "Tensor | None", ep
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, keep_ptr, ratio, n_pos, scale, group,
-                       GP: tl.constexpr, DH: tl.constexpr, BLOCK_P: tl.constexpr, N_SPLIT: tl.constexpr,
-                       HAS_KEEP: tl.constexpr):
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, kd_ptr, vd_ptr, pos_ptr, o_ptr, ml_ptr, keep_ptr, ratio, n_pos, scale,
+                       group, GP: tl.constexpr, DH: tl.constexpr, BLOCK_P: tl.constexpr, N_SPLIT: tl.constexpr,
+                       HAS_KEEP: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr):
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
     length = tl.load(pos_ptr).to(tl.int32) + 1
@@ -430,6 +460,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, keep_ptr, ra
         pm = p < end
         off = p.to(tl.int64)[:, None] * DH + d[None, :]
         kt = tl.load(kbase + off, mask=pm[:, None], other=0.0).to(tl.float32)
+        if K_Q8 or V_Q8:
+            doff = (kvh.to(tl.int64) * n_pos + p.to(tl.int64))[:, None] * (DH // 32) + (d // 32)[None, :]
+        if K_Q8:
+            kt = kt * tl.load(kd_ptr + doff, mask=pm[:, None], other=0.0).to(tl.float32)
         s = tl.sum(q[:, None, :] * kt[None, :, :], axis=2) * scale
         if HAS_KEEP:
             pm = pm & (tl.load(keep_ptr + p // ratio, mask=pm, other=0) != 0)
@@ -440,6 +474,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, keep_ptr, ra
         alpha = tl.exp(m_i - m_new)
         pr = tl.exp(s - m_new[:, None])
         vt = tl.load(vbase + off, mask=pm[:, None], other=0.0).to(tl.float32)
+        if V_Q8:
+            vt = vt * tl.load(vd_ptr + doff, mask=pm[:, None], other=0.0).to(tl.float32)
         l_i = l_i * alpha + tl.sum(pr, axis=1)
         acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * vt[None, :, :], axis=1)
         m_i = m_new
@@ -479,10 +515,11 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: f
     n_kv, n_pos, dh = k_cache.shape
     group = q.numel() // dh // n_kv
     gp = triton.next_power_of_2(group)
-    _attn_split_kernel[(n_kv, ATTN_SPLITS)](q, k_cache, v_cache, pos, partial, ml, pos if keep is None else keep,
+    (kq, kd, k8), (vq, vd, v8) = _kv_parts(k_cache), _kv_parts(v_cache)
+    _attn_split_kernel[(n_kv, ATTN_SPLITS)](q, kq, vq, kd, vd, pos, partial, ml, pos if keep is None else keep,
                                             max(1, int(ratio)), n_pos, float(scale), group,
                                             GP=gp, DH=dh, BLOCK_P=16, N_SPLIT=ATTN_SPLITS, HAS_KEEP=keep is not None,
-                                            num_warps=4)
+                                            K_Q8=k8, V_Q8=v8, num_warps=4)
     _attn_reduce_kernel[(n_kv * group,)](partial, ml, out, group, GP=gp, DH=dh, N_SPLIT=ATTN_SPLITS, num_warps=2)
 
 

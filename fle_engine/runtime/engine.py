@@ -43,7 +43,8 @@ from .weights import HostExperts
 __all__ = ["Engine", "RunStats", "ARCHS", "KV_TYPES", "parse_budget"]
 
 ARCHS = {"qwen3moe": qwen3moe, "qwen3next": qwen3next, "qwen4exp": qwen4exp}
-KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": "q8_0"}
+_KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}       # bytes per value
 PROFILE_EVERY_S = 600.0
 _RING = 8
 
@@ -107,8 +108,7 @@ class Engine:
         self.fast = self.ops is not engine_ops.REFERENCE
         for name, want in (("--cache-type-k", cache_type_k), ("--cache-type-v", cache_type_v)):
             if want not in KV_TYPES:
-                raise FleError(f"{name} {want!r}: the engine keeps the KV cache as {', '.join(KV_TYPES)} "
-                               f"(q8_0 is not implemented yet)")
+                raise FleError(f"{name} {want!r}: the engine keeps the KV cache as {', '.join(KV_TYPES)}")
         parse_split(miss_split)
         self.cpu_impl = cpu_impl
         self.path = Path(path)
@@ -138,7 +138,7 @@ class Engine:
         try:
             st.kv = self.net.new_caches(self.ctx_size, kd, vd)
         except torch.OutOfMemoryError:
-            per = 2 * a.n_layer * a.n_head_kv * a.head_dim * KV_TYPES[cache_type_k].itemsize
+            per = a.n_layer * a.n_head_kv * a.head_dim * (_KV_BYTES[cache_type_k] + _KV_BYTES[cache_type_v])
             raise FleError(f"the KV cache for {self.ctx_size} positions needs about {per * self.ctx_size / 2**30:.1f} "
                            f"GiB of GPU memory, more than is free; lower --ctx-size") from None
         cos, sin = rope_table(a.n_rot, a.rope_base, self.ctx_size, a.rope_freq_scale)
@@ -150,7 +150,7 @@ class Engine:
         st.serial = torch.zeros(1, dtype=torch.int64, device=self.device)      # steps run (runtime.split)
         st.split = None
         self.net.alloc(st)
-        self.kv_bytes = sum(t.numel() * t.element_size() for c in st.kv for t in c)
+        self.kv_bytes = sum(engine_ops.kv_nbytes(t) for c in st.kv for t in c)
 
         # the expert cache under its budget
         self.fingerprint = model_fingerprint(gguf)

@@ -137,11 +137,17 @@ class Net:
         return n + W.unique_bytes(mats)
 
     # state and buffers ---------------------------------------------------------------
-    def new_caches(self, ctx: int, k_dtype, v_dtype) -> list:
+    def kv_cache(self, ctx: int, dtype):
+        """One layer's K or V cache [Hkv, ctx, Dh]: a float tensor, or q8_0."""
         a = self.args
-        return [(torch.zeros(a.n_head_kv, ctx, a.head_dim, dtype=k_dtype, device=self.device),
-                 torch.zeros(a.n_head_kv, ctx, a.head_dim, dtype=v_dtype, device=self.device))
-                for _ in range(a.n_layer)]
+        if dtype == "q8_0":
+            from ..kernels.engine_ops import Q8Cache
+
+            return Q8Cache(a.n_head_kv, ctx, a.head_dim, self.device)
+        return torch.zeros(a.n_head_kv, ctx, a.head_dim, dtype=dtype, device=self.device)
+
+    def new_caches(self, ctx: int, k_dtype, v_dtype) -> list:
+        return [(self.kv_cache(ctx, k_dtype), self.kv_cache(ctx, v_dtype)) for _ in range(self.args.n_layer)]
 
     def reset(self, state) -> None:
         """A new sequence: attention caches are addressed by position, nothing to clear."""

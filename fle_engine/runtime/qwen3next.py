@@ -101,8 +101,7 @@ class Net(qwen3moe.Net):
                 out.append((torch.zeros(a.conv_kernel - 1, a.conv_dim, dtype=torch.float32, device=dev),
                             torch.zeros(a.n_v_heads, a.d_state, a.d_state, dtype=torch.float32, device=dev)))
             else:
-                out.append((torch.zeros(a.n_head_kv, ctx, a.head_dim, dtype=k_dtype, device=dev),
-                            torch.zeros(a.n_head_kv, ctx, a.head_dim, dtype=v_dtype, device=dev)))
+                out.append((self.kv_cache(ctx, k_dtype), self.kv_cache(ctx, v_dtype)))
         return out
 
     def reset(self, state) -> None:

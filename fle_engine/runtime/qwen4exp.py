@@ -226,7 +226,8 @@ class Net(qwen3next.Net):
             if r and not a.recurrent[il]:
                 n_blk = -(-ctx // r)
                 # raw indexer keys per position, and the pooled block keys
-                out[il] = out[il] + (torch.zeros(n_blk * r, a.idx_dim, dtype=k_dtype, device=dev),
+                raw_dt = torch.float16 if k_dtype == "q8_0" else k_dtype     # indexer keys stay float
+                out[il] = out[il] + (torch.zeros(n_blk * r, a.idx_dim, dtype=raw_dt, device=dev),
                                      torch.zeros(n_blk, a.idx_dim, dtype=torch.float32, device=dev))
         return out
 
