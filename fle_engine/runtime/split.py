@@ -185,15 +185,24 @@ class CpuExperts:
             ce.pick(lay.down_type, impl)
         self.impl = self.name = impl
         self._views = {il: host.view(il).numpy() for il in layouts}
+        # the backend's forward called directly: the worker's arguments are the engine's own buffers, checked
+        # once here rather than on every call
+        self._forward = {il: ce.pick(lay.gu_type, impl).forward for il, lay in layouts.items()}
+        for il, lay in layouts.items():
+            if ce.pick(lay.down_type, impl) is not ce.pick(lay.gu_type, impl):
+                raise FleError(f"layer {il}: --cpu-kernels {impl} has no single backend for {lay.gu_type.name} "
+                               f"and {lay.down_type.name}")
         n = max(lay.n_embd for lay in layouts.values())
         self._tmp = np.zeros((1, n), np.float32)
 
     def ffn(self, il: int, experts, weights, x: np.ndarray, out: np.ndarray) -> None:
         lay = self.layouts[il]
         tmp = self._tmp[:, :lay.n_embd]
-        self._ce.expert_forward(self._views[il], lay, x.reshape(1, -1),
-                                np.asarray(experts, np.int64).reshape(1, -1),
-                                np.asarray(weights, np.float32).reshape(1, -1), out=tmp, impl=self.impl)
+        ids = np.ascontiguousarray(experts, np.int64).reshape(1, -1)
+        if ids.size == 0:
+            return
+        self._forward[il](self._views[il], lay, np.ascontiguousarray(x, np.float32).reshape(1, -1), ids,
+                          np.ascontiguousarray(weights, np.float32).reshape(1, -1), tmp, self._ce.CHUNK)
         out += tmp[0]
 
 
