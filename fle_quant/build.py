@@ -5,8 +5,8 @@ A build has two halves:
 1. **Downloads.** Every file the recipe names (base, donors, requant inputs)
    is fetched with ``huggingface_hub`` from its repository, only the files of
    its folder matching its shard pattern, at its pinned revision. Downloads
-   resume where an interrupted one stopped (the client's ``.incomplete``
-   files), show progress bars, and start only when the disk holding ``--dir``
+   resume where an interrupted one stopped (a file's bytes so far are kept in
+   ``NAME.part`` next to it and fetched on from there), show progress bars, and start only when the disk holding ``--dir``
    has room for what is still missing. Each file's SHA-256 is checked against
    the Hub's LFS hash; the checked list is kept in ``DIR/models/REPO/
    downloads.json`` so that ``--offline`` builds can check the files again
@@ -232,11 +232,13 @@ def _manifest_path(d: Download) -> Path:
 
 
 def _read_manifest(path: Path) -> dict:
-    from .textio import read_json_file
-
+    # the build's own bookkeeping, rewritten by it: not an input of the command
     if not path.is_file():
         return {}
-    obj, _ = read_json_file(path, "download list")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise FleError(f"{path}: unreadable download list ({e}); remove it to download again") from None
     if not isinstance(obj, dict) or obj.get("format") != MANIFEST_FORMAT or not isinstance(obj.get("files"), dict):
         raise FleError(f"{path}: not a {MANIFEST_FORMAT} download list; remove it to download again")
     return obj["files"]
@@ -274,6 +276,53 @@ def _remote_files(d: Download) -> list[tuple[str, int, "str | None"]]:
     return sorted(out)
 
 
+def _fetch(d: Download, p: str, size: int, local: Path, log: Callable[[str], None]) -> None:
+    """Fetch ``p`` of ``d``'s repository into ``local`` through huggingface_hub:
+    the client's metadata request (commit, ETag, size headers), then its
+    ranged GET into ``local`` + ``.part``, resumed from that file's length
+    when an earlier run stopped; renamed into place when complete."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    from .files import write_error
+
+    s = d.src
+    url = hf_hub_url(s.repo, p, revision=s.revision)
+    try:
+        meta = get_hf_file_metadata(url)
+    except HfHubHTTPError as e:
+        raise FleError(f"{d.path}: cannot get {p} from {s.repo} @ {s.revision}: {e}") from None
+    except OSError as e:
+        raise FleError(f"{d.path}: cannot reach the Hub for {s.repo} ({e})") from None
+    if meta.commit_hash and not meta.commit_hash.startswith(s.revision):
+        raise FleError(f"{d.path}.revision: the Hub serves {p} from commit {meta.commit_hash}, not "
+                       f"{s.revision}")
+    if meta.size is not None and meta.size != size:
+        raise FleError(f"{d.path}: the Hub's listing gives {p} {size} bytes but its download {meta.size}")
+    part = local.with_name(local.name + ".part")
+    try:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with open(part, "ab") as f:
+            have = f.tell()
+            if have > size:
+                f.truncate(0)
+                have = 0
+            log(f"download {s.repo}/{p} ({format_size(size)}" +
+                (f", resuming at {format_size(have)})" if have else ")"))
+            if have < size:
+                http_get(meta.location, f, resume_size=have, headers=build_hf_headers(), expected_size=size,
+                         displayed_filename=Path(p).name)
+        os.replace(part, local)
+    except HfHubHTTPError as e:
+        raise FleError(f"{d.path}: download of {p} from {s.repo} failed: {e}; run again to resume") from None
+    except OSError as e:
+        if e.filename:
+            raise write_error(e.filename, e) from None
+        raise FleError(f"{d.path}: download of {p} from {s.repo} failed ({e}); run again to resume") from None
+
+
 def download(plan: BuildPlan, *, offline: bool = False, progress: bool = True,
              log: Callable[[str], None] = print) -> dict[str, list[Path]]:
     """Fetch (or, offline, find and check) every file of ``plan``; returns
@@ -300,7 +349,8 @@ def download(plan: BuildPlan, *, offline: bool = False, progress: bool = True,
             for p, size, _ in files:
                 have = d.local_dir / p
                 if not (have.is_file() and have.stat().st_size == size):
-                    missing += size
+                    part = have.with_name(have.name + ".part")
+                    missing += size - (min(part.stat().st_size, size) if part.is_file() else 0)
         free = free_space(plan.root)
         if missing > free:
             raise FleError(f"{plan.root}: {format_size(missing)} still to download but only "
@@ -311,16 +361,8 @@ def download(plan: BuildPlan, *, offline: bool = False, progress: bool = True,
         paths = []
         for p, size, sha in files:
             local = d.local_dir / p
-            if not offline:
-                from huggingface_hub import hf_hub_download
-                from huggingface_hub.errors import HfHubHTTPError
-
-                log(f"download {d.src.repo}/{p} ({format_size(size)})")
-                try:
-                    got = hf_hub_download(d.src.repo, p, revision=d.src.revision, local_dir=d.local_dir)
-                except HfHubHTTPError as e:
-                    raise FleError(f"{d.path}: download of {p} from {d.src.repo} failed: {e}") from None
-                local = Path(got)
+            if not offline and not (local.is_file() and local.stat().st_size == size):
+                _fetch(d, p, size, local, log)
             if not local.is_file():
                 raise FleError(f"{local}: missing; run without --offline to download it")
             if local.stat().st_size != size:
