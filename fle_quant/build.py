@@ -202,10 +202,15 @@ def format_plan(plan: BuildPlan, free_bytes: "int | None" = None) -> str:
     lines.append(f"  card: {plan.root / 'work' / r.name / (r.name + '.md')}")
     ob = plan.output_bytes()
     lines += ["", "Disk"]
+    dl = format_size(db) if db is not None else f"at least {format_size(known)}"
+    out = (f"about {format_size(ob)} (each output at the recipe's expected size, else its input's)"
+           if ob is not None else "unknown (an input's size is unknown)")
+    lines.append(f"  downloads {dl}")
+    lines.append(f"  step outputs {out}")
     if db is not None and ob is not None:
-        lines.append(f"  needed {format_size(db + ob)} (downloads {format_size(db)}, outputs {format_size(ob)})")
+        lines.append(f"  needed about {format_size(db + ob)}")
     else:
-        lines.append(f"  needed at least {format_size(known + (ob or 0))} (some sizes are unknown)")
+        lines.append(f"  needed at least {format_size(known + (ob or 0))}; some sizes are unknown")
     if free_bytes is not None:
         lines.append(f"  free under {plan.root}: {format_size(free_bytes)}")
     if plan.blockers:
@@ -256,9 +261,20 @@ def _remote_files(d: Download) -> list[tuple[str, int, "str | None"]]:
     from huggingface_hub.errors import HfHubHTTPError
 
     s = d.src
+    api = HfApi()
     try:
-        entries = list(HfApi().list_repo_tree(s.repo, path_in_repo=s.folder or None, revision=s.revision,
-                                              recursive=False))
+        commit = api.model_info(s.repo, revision=s.revision).sha
+    except HfHubHTTPError as e:
+        raise FleError(f"{d.path}.revision: {s.repo} has no revision {s.revision} the Hub will serve: {e}") \
+            from None
+    except OSError as e:
+        raise FleError(f"{d.path}: cannot reach the Hub for {s.repo} ({e})") from None
+    if commit and not commit.startswith(s.revision):
+        raise FleError(f"{d.path}.revision: {s.revision} resolves to commit {commit} on the Hub; pin a commit, "
+                       "not a branch or tag")
+    try:
+        entries = list(api.list_repo_tree(s.repo, path_in_repo=s.folder or None, revision=commit or s.revision,
+                                          recursive=False))
     except HfHubHTTPError as e:
         raise FleError(f"{d.path}: cannot list {s.repo} @ {s.revision} folder {s.folder!r}: {e}") from None
     except OSError as e:
