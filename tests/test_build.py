@@ -87,12 +87,14 @@ def test_bad_input(tmp_path, capsys):
 
 class Hub:
     """Serves ``files[repo][path] = local file`` at revision COMMIT (any
-    prefix of it resolves). ``slow`` names paths whose first download is
-    sent in small, slow pieces, so that a test can kill the client midway."""
+    prefix of it resolves). ``stall[path] = n``: the first download of
+    ``path`` sends ``n`` bytes, then stalls until the test ends, so that a
+    test can kill the client midway."""
 
     def __init__(self):
         self.files: dict[str, dict[str, Path]] = {}
-        self.slow: set[str] = set()
+        self.stall: dict[str, int] = {}
+        self.stop = threading.Event()
         self.ranges: list[tuple[str, str]] = []   # (path, Range header) of every GET with one
         self.gets: list[str] = []
         hub = self
@@ -191,12 +193,10 @@ class Hub:
                     return
                 body = data[start:]
                 try:
-                    if sub in hub.slow:
-                        hub.slow.discard(sub)
-                        for i in range(0, len(body), 4096):
-                            self.wfile.write(body[i:i + 4096])
-                            self.wfile.flush()
-                            time.sleep(0.02)
+                    if sub in hub.stall:
+                        self.wfile.write(body[:hub.stall.pop(sub)])
+                        self.wfile.flush()
+                        hub.stop.wait(120)
                     else:
                         self.wfile.write(body)
                 except (BrokenPipeError, ConnectionResetError):
@@ -212,6 +212,7 @@ class Hub:
         return self
 
     def __exit__(self, *a):
+        self.stop.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -385,12 +386,25 @@ def test_changed_input_reruns_steps_and_bad_hash_stops(factory, hub, tmp_path, c
     assert rc == 2 and shard.name in err and "SHA-256" in err and err.count("\n") == 1
 
 
+def _stall_biggest_donor(hub: Hub) -> tuple[str, int]:
+    """Stall the first download of the largest donor file just after the
+    client has written its first piece (huggingface_hub writes in pieces of
+    DOWNLOAD_CHUNK_SIZE); returns its path and that piece's size."""
+    import huggingface_hub.constants as c
+
+    files = hub.files["standin/donors"]
+    big = max(files, key=lambda p: files[p].stat().st_size)
+    chunk = c.DOWNLOAD_CHUNK_SIZE
+    assert files[big].stat().st_size > chunk + 1, "the factory donor must be larger than one download piece"
+    hub.stall[big] = chunk + 1
+    return big, chunk
+
+
 def test_resume_after_kill_mid_download(factory, hub, tmp_path):
     recipe = _standin_recipe("FLE-IQ3_XXS", factory, hub)
     rpath = tmp_path / "r.recipe.json"
     rpath.write_text(json.dumps(recipe))
-    big = max(hub.files["standin/donors"], key=lambda p: hub.files["standin/donors"][p].stat().st_size)
-    hub.slow.add(big)
+    big, chunk = _stall_biggest_donor(hub)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"),
            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1", "FLE_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("HF_HUB_OFFLINE", None)
@@ -400,7 +414,7 @@ def test_resume_after_kill_mid_download(factory, hub, tmp_path):
     deadline = time.time() + 120
     part = None
     while time.time() < deadline and p.poll() is None:
-        found = [f for f in (tmp_path / "b").rglob("*.part") if f.stat().st_size > 64 << 10]
+        found = [f for f in (tmp_path / "b").rglob("*.part") if f.stat().st_size >= chunk]
         if found:
             part = found[0]
             break
@@ -412,6 +426,30 @@ def test_resume_after_kill_mid_download(factory, hub, tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     starts = [int(re.match(r"bytes=(\d+)-", r).group(1)) for p_, r in hub.ranges if p_ == big]
-    assert starts and starts[0] >= 64 << 10, hub.ranges
+    assert starts and starts[0] >= chunk, hub.ranges
     assert "resuming at" in done.stdout
     assert not list((tmp_path / "b").rglob("*.part"))
+
+
+def test_sigterm_mid_download_keeps_the_part_and_says_so(factory, hub, tmp_path):
+    recipe = _standin_recipe("FLE-IQ2_M", factory, hub)
+    rpath = tmp_path / "r.recipe.json"
+    rpath.write_text(json.dumps(recipe))
+    big, chunk = _stall_biggest_donor(hub)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"),
+           "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1", "FLE_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("HF_HUB_OFFLINE", None)
+    cmd = [sys.executable, "-m", "fle_quant.cli.build_cli", str(rpath), "--dir", str(tmp_path / "b"),
+           "--ref", str(factory["ref"]), "--text", str(factory["text"])]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        if [f for f in (tmp_path / "b").rglob("*.part") if f.stat().st_size >= chunk]:
+            break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 143, err
+    assert err.strip().splitlines() == ["fle-build: terminated; finished steps and downloaded bytes are kept, "
+                                        "run it again to resume"]
+    assert list((tmp_path / "b").rglob("*.part"))

@@ -3,9 +3,11 @@ with FLE's own steps, then write its model card."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..build import format_plan, free_space, plan_build, run_build
+from ..errors import Terminated
 from ..files import check_input
 from ..recipe import load_recipe
 from .common import cli_entry, declare_inputs, exit_main
@@ -67,8 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         from .common import check_device
 
         check_device(args.device)
-    run_build(plan, ref=args.ref, text=args.text, calibration=args.calibration, offline=args.offline,
-              device=args.device)
+    try:
+        run_build(plan, ref=args.ref, text=args.text, calibration=args.calibration, offline=args.offline,
+                  device=args.device)
+    except (KeyboardInterrupt, Terminated) as e:
+        # a step's unfinished output is removed by the step; a download's bytes so far are kept on purpose
+        word, rc = ("terminated", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+        print(f"fle-build: {word}; finished steps and downloaded bytes are kept, run it again to resume",
+              file=sys.stderr)
+        return rc
     return 0
 
 
