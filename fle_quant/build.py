@@ -255,6 +255,27 @@ def _write_manifest(path: Path, files: dict) -> None:
     write_json_atomic(path, {"format": MANIFEST_FORMAT, "files": dict(sorted(files.items()))}, force=True)
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _net_errors() -> tuple[type[BaseException], ...]:
+    """What the Hub client raises for a failed request: its HTTP errors, the
+    HTTP library's transport errors, and OS-level connection errors."""
+    import importlib
+
+    errs: list[type[BaseException]] = [OSError]
+    from huggingface_hub.errors import HfHubHTTPError
+
+    errs.append(HfHubHTTPError)
+    for mod in ("httpx2", "httpx"):
+        try:
+            errs.append(importlib.import_module(mod).HTTPError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errs)
+
+
 def _remote_files(d: Download) -> list[tuple[str, int, "str | None"]]:
     """(path in the repository, size, LFS SHA-256) of the files to fetch."""
     from huggingface_hub import HfApi
@@ -265,10 +286,10 @@ def _remote_files(d: Download) -> list[tuple[str, int, "str | None"]]:
     try:
         commit = api.model_info(s.repo, revision=s.revision).sha
     except HfHubHTTPError as e:
-        raise FleError(f"{d.path}.revision: {s.repo} has no revision {s.revision} the Hub will serve: {e}") \
-            from None
-    except OSError as e:
-        raise FleError(f"{d.path}: cannot reach the Hub for {s.repo} ({e})") from None
+        raise FleError(f"{d.path}.revision: {s.repo} has no revision {s.revision} the Hub will serve "
+                       f"({_one_line(e)})") from None
+    except _net_errors() as e:
+        raise FleError(f"{d.path}: cannot reach the Hub for {s.repo} ({_one_line(e)})") from None
     if commit and not commit.startswith(s.revision):
         raise FleError(f"{d.path}.revision: {s.revision} resolves to commit {commit} on the Hub; pin a commit, "
                        "not a branch or tag")
@@ -276,9 +297,10 @@ def _remote_files(d: Download) -> list[tuple[str, int, "str | None"]]:
         entries = list(api.list_repo_tree(s.repo, path_in_repo=s.folder or None, revision=commit or s.revision,
                                           recursive=False))
     except HfHubHTTPError as e:
-        raise FleError(f"{d.path}: cannot list {s.repo} @ {s.revision} folder {s.folder!r}: {e}") from None
-    except OSError as e:
-        raise FleError(f"{d.path}: cannot reach the Hub for {s.repo} ({e})") from None
+        raise FleError(f"{d.path}: cannot list {s.repo} @ {s.revision} folder {s.folder!r} "
+                       f"({_one_line(e)})") from None
+    except _net_errors() as e:
+        raise FleError(f"{d.path}: cannot reach the Hub for {s.repo} ({_one_line(e)})") from None
     out = []
     for e in entries:
         name = e.path.rsplit("/", 1)[-1]
@@ -309,9 +331,9 @@ def _fetch(d: Download, p: str, size: int, local: Path, log: Callable[[str], Non
     try:
         meta = get_hf_file_metadata(url)
     except HfHubHTTPError as e:
-        raise FleError(f"{d.path}: cannot get {p} from {s.repo} @ {s.revision}: {e}") from None
-    except OSError as e:
-        raise FleError(f"{d.path}: cannot reach the Hub for {s.repo} ({e})") from None
+        raise FleError(f"{d.path}: cannot get {p} from {s.repo} @ {s.revision} ({_one_line(e)})") from None
+    except _net_errors() as e:
+        raise FleError(f"{d.path}: cannot reach the Hub for {s.repo} ({_one_line(e)})") from None
     if meta.commit_hash and not meta.commit_hash.startswith(s.revision):
         raise FleError(f"{d.path}.revision: the Hub serves {p} from commit {meta.commit_hash}, not "
                        f"{s.revision}")
@@ -331,12 +353,14 @@ def _fetch(d: Download, p: str, size: int, local: Path, log: Callable[[str], Non
                 http_get(meta.location, f, resume_size=have, headers=build_hf_headers(), expected_size=size,
                          displayed_filename=Path(p).name)
         os.replace(part, local)
-    except HfHubHTTPError as e:
-        raise FleError(f"{d.path}: download of {p} from {s.repo} failed: {e}; run again to resume") from None
     except OSError as e:
         if e.filename:
             raise write_error(e.filename, e) from None
-        raise FleError(f"{d.path}: download of {p} from {s.repo} failed ({e}); run again to resume") from None
+        raise FleError(f"{d.path}: download of {p} from {s.repo} failed ({_one_line(e)}); "
+                       "run again to resume") from None
+    except _net_errors() as e:
+        raise FleError(f"{d.path}: download of {p} from {s.repo} failed ({_one_line(e)}); "
+                       "run again to resume") from None
 
 
 def download(plan: BuildPlan, *, offline: bool = False, progress: bool = True,

@@ -453,3 +453,32 @@ def test_sigterm_mid_download_keeps_the_part_and_says_so(factory, hub, tmp_path)
     assert err.strip().splitlines() == ["fle-build: terminated; finished steps and downloaded bytes are kept, "
                                         "run it again to resume"]
     assert list((tmp_path / "b").rglob("*.part"))
+
+
+def test_hub_errors_are_one_line(factory, hub, tmp_path, capsys, monkeypatch):
+    _env(monkeypatch, tmp_path, hub)
+    c = _reload_endpoint()
+    recipe = _standin_recipe("FLE-IQ3_XXS", factory, hub)
+    args = lambda r: [r, "--dir", tmp_path / "b", "--ref", factory["ref"], "--text", factory["text"]]  # noqa: E731
+
+    def write(obj):
+        path = tmp_path / "r.recipe.json"
+        path.write_text(json.dumps(obj))
+        return path
+
+    # nothing listens
+    monkeypatch.setattr(c, "ENDPOINT", "http://127.0.0.1:9")
+    rc, _, err = run(args(write(recipe)), capsys)
+    assert rc == 2 and err.count("\n") == 1 and "cannot reach the Hub" in err and "base" in err
+    monkeypatch.setattr(c, "ENDPOINT", hub.url)
+    monkeypatch.setattr(c, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    # a revision the Hub does not have
+    bad = copy.deepcopy(recipe)
+    bad["base"]["revision"] = "deadbeefdead"
+    rc, _, err = run(args(write(bad)), capsys)
+    assert rc == 2 and err.count("\n") == 1 and "base.revision" in err
+    # a pattern that matches nothing
+    bad = copy.deepcopy(recipe)
+    bad["donors"][next(iter(bad["donors"]))]["file_pattern"] = "nothing-*-of-*.gguf"
+    rc, _, err = run(args(write(bad)), capsys)
+    assert rc == 2 and err.count("\n") == 1 and ".file_pattern" in err
