@@ -477,6 +477,20 @@ def test_hub_errors_are_one_line(factory, hub, tmp_path, capsys, monkeypatch):
     bad["base"]["revision"] = "deadbeefdead"
     rc, _, err = run(args(write(bad)), capsys)
     assert rc == 2 and err.count("\n") == 1 and "base.revision" in err
+    # --offline before anything was downloaded
+    rc, _, err = run(args(write(recipe)) + ["--offline"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "--offline" in err and "base" in err
+    # not enough room for the downloads: stopped before the first byte
+    import fle_quant.build as build
+
+    monkeypatch.setattr(build, "free_space", lambda path: 1000)
+    rc, _, err = run(args(write(recipe)), capsys)
+    assert rc == 2 and err.count("\n") == 1 and "free" in err and "--dir" in err
+    assert not list((tmp_path / "b").rglob("*.gguf*"))
+    monkeypatch.undo()
+    _env(monkeypatch, tmp_path, hub)
+    monkeypatch.setattr(c, "ENDPOINT", hub.url)
+    monkeypatch.setattr(c, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
     # a pattern that matches nothing
     bad = copy.deepcopy(recipe)
     bad["donors"][next(iter(bad["donors"]))]["file_pattern"] = "nothing-*-of-*.gguf"
