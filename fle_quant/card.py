@@ -429,6 +429,14 @@ def make_recipe_card(recipe, recipe_path: str) -> str:
             f"fle-build {recipe_path} --dry-run   # downloads, steps and disk needed",
             f"fle-build {recipe_path}             # download, build, verify, write the card",
             f"fle-recipe show {recipe_path}       # the same plan as commands", "```", ""]
+    extra = []
+    if r.step("select"):
+        extra.append("`--ref` (a reference file of the model, e.g. BF16) and `--text` (the capture text) "
+                     "for the select step")
+    if r.step("prune"):
+        extra.append("`--calibration` (the calibration text) for the prune step")
+    if extra:
+        out += ["The recipe names no public file for these; `fle-build` takes " + " and ".join(extra) + ".", ""]
     if r.unknown_paths:
         out += ["The build stops at a field it needs that the recipe marks unknown, naming it; "
                 "fill it in, with its source, first.", ""]
