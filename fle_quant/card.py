@@ -367,8 +367,9 @@ def make_recipe_card(recipe, recipe_path: str) -> str:
     out.append("")
     unpinned = [f.name for _, f, _ in files if not is_known(f.revision)]
     if unpinned:
-        out += [f"Revision unknown for {', '.join(unpinned)}: a download takes the repository's current "
-                "main branch, which may differ from the files the release was built from.", ""]
+        out += [f"Revision unknown for {', '.join(unpinned)}: `fle-build` downloads only pinned revisions "
+                "and stops until it is filled in; a download of the current main branch may differ from "
+                "the files the release was built from.", ""]
 
     out += ["## How it was made", ""]
     for i, s in enumerate(r.steps):
