@@ -4,10 +4,12 @@ A build has two halves:
 
 1. **Downloads.** Every file the recipe names (base, donors, requant inputs)
    is fetched with ``huggingface_hub`` from its repository, only the files of
-   its folder matching its shard pattern, at its pinned revision. Downloads
-   resume where an interrupted one stopped (a file's bytes so far are kept in
-   ``NAME.part`` next to it and fetched on from there), show progress bars, and start only when the disk holding ``--dir``
-   has room for what is still missing. Each file's SHA-256 is checked against
+   its folder matching its shard pattern, at its pinned revision (resolved
+   with the Hub's revision API; it must be a commit). Downloads resume where
+   an interrupted one stopped (a file's bytes so far are kept in
+   ``NAME.part`` next to it and fetched on from there with a ranged request),
+   show progress bars, and start only when the disk holding ``--dir`` has
+   room for what is still missing. Each file's SHA-256 is checked against
    the Hub's LFS hash; the checked list is kept in ``DIR/models/REPO/
    downloads.json`` so that ``--offline`` builds can check the files again
    without the network.
