@@ -21,6 +21,7 @@ Schema (``?`` marks a value that may be ``"unknown"``)::
       "name": "FLE-IQ3_M",                    # release name, [A-Za-z0-9._-]
       "description": "one paragraph",         # free text, needs no source
       "model": "Qwen3.8-Flash-Next",          # ? the model the files hold
+      "license": "Qwen Community License 1.0", # optional; ? the release's license, as its source names it
       "release": {"repo": "owner/name",       # ? Hugging Face repository of the release
                   "file_pattern": "*.gguf"},  # ? its file name(s), a glob
       "base": FILE,                           # where every tensor not spliced comes from
@@ -208,6 +209,7 @@ class Recipe:
     notes: tuple[Note, ...]
     sources: dict[str, str]
     unknown_paths: tuple[str, ...] = field(default=())  # every field whose value is "unknown"
+    license: MaybeStr = UNKNOWN  # optional in the file; absent reads as "unknown"
 
     def step(self, kind: str) -> "Step | None":
         return next((s for s in self.steps if s.kind == kind), None)
@@ -556,6 +558,7 @@ _TOP: dict[str, Checker] = {
     "name": _leaf(_name, may_be_unknown=False, needs_source=False),
     "description": _leaf(_str, needs_source=False),
     "model": _leaf(_str),
+    "license": _leaf(_str),
     "release": lambda ctx, p, v: Release(**_obj(ctx, p, v, {"repo": _leaf(_repo),
                                                             "file_pattern": _leaf(_gguf_pattern)})),
     "base": _file_source,
@@ -666,7 +669,7 @@ def parse_recipe(obj: Any, path: str = "<recipe>") -> Recipe:
         raise ctx.fail("", f"must hold one JSON object, got {_type_name(obj)}")
     if obj.get("format") != FORMAT:
         raise ctx.fail("format", f"must be {FORMAT!r}, got {obj.get('format')!r}")
-    d = _obj(ctx, "", obj, _TOP)
+    d = _obj(ctx, "", obj, _TOP, optional=("license",))
     _cross_checks(ctx, d)
     _check_sources(ctx, d["sources"], obj)
     del d["format"]

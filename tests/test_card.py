@@ -201,3 +201,69 @@ def test_bad_inputs(spliced, tmp_path, capsys):
     assert rc == 0, err
     assert out.read_text().startswith("---\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["card.md", "junk.gguf"]
+
+
+# ---------------------------------------------------------------------------
+# cards from the release recipes (model-cards/ is generated, never edited)
+
+REPO = Path(__file__).resolve().parent.parent
+RELEASES = ["FLE-IQ3_M", "FLE-IQ3_XXS", "FLE-IQ2_M", "FLE-IQ3_M-REAP448"]
+# a figure: a number standing on its own, not part of a name such as IQ3_S or Qwen3.8
+_NUMBER = re.compile(r"(?<![\w.\-])[+\-−]?\d[\d,.]*(?![\w])")
+
+
+def _recipe_card(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / f"{name}.md"
+    assert card_main(["--recipe", f"selections/{name}.recipe.json", "-o", str(out)]) == 0
+    return out.read_text()
+
+
+@pytest.mark.parametrize("name", RELEASES)
+def test_release_cards_are_generated(name, tmp_path, monkeypatch, capsys):
+    text = _recipe_card(name, tmp_path, monkeypatch)
+    shipped = (REPO / "model-cards" / f"{name}.md").read_text()
+    assert shipped == text, (f"model-cards/{name}.md differs from what fle-card makes now; regenerate it: "
+                             f"fle-card --recipe selections/{name}.recipe.json -o model-cards/{name}.md --force")
+
+
+@pytest.mark.parametrize("name", RELEASES)
+def test_release_card_front_matter_and_sources(name, tmp_path, monkeypatch):
+    yaml = pytest.importorskip("yaml")
+    text = (REPO / "model-cards" / f"{name}.md").read_text()
+    assert text.startswith("---\n")
+    head, body = text[4:].split("\n---\n", 1)
+    fm = yaml.safe_load(head)
+    assert set(fm) >= {"base_model", "license", "tags", "quantized_by"}
+    assert fm["license"] == "other" and fm["license_name"] == "qwen-community-license-1-0"
+    assert {"gguf", "moe", "fle"} <= set(fm["tags"])
+    assert all(isinstance(b, str) and "/" in b for b in fm["base_model"])
+    assert f"fle-build selections/{name}.recipe.json" in body
+    assert "not re-measured" in body
+    # every figure names its source: a table row has a source cell, other text a [source] marker
+    in_code = False
+    for line in body.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+            continue
+        plain = re.sub(r"`[^`]*`", "", re.sub(r"^\d+\. ", "", line))  # step numbers are no figures
+        if in_code or not _NUMBER.search(plain) or line.startswith("|---"):
+            continue
+        if line.startswith("|"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            if cells[0] == "layer" or cells[0].isdigit():  # per-layer table: source given below it
+                continue
+            assert cells[-1] not in ("", "-", "not stated"), f"{name}: figure without a source: {line}"
+        else:
+            assert re.search(r"\[[^\]]*(report|listing|recipe)[^\]]*\]\s*$", line), \
+                f"{name}: figure without a source: {line}"
+
+
+def test_recipe_card_bad_input(tmp_path, capsys):
+    rc, _, err = run(["--recipe", tmp_path / "missing.recipe.json", "-o", tmp_path / "c.md"], capsys)
+    assert rc == 2 and "missing.recipe.json" in err and err.count("\n") == 1
+    rc, _, err = run(["-o", tmp_path / "c.md"], capsys)
+    assert rc == 2 and "--recipe" in err
+    rc, _, err = run(["--recipe", REPO / "selections/FLE-IQ3_M.recipe.json", "--quality", "q.json",
+                      "-o", tmp_path / "c.md"], capsys)
+    assert rc == 2 and "--quality" in err

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..card import load_quality, make_card, write_card
+import os
+
+from ..card import load_quality, make_card, make_recipe_card, write_card
+from ..errors import FleError
 from ..gguf_reader import GGUFModel
 from .common import check_outputs, cli_entry, declare_inputs, exit_main
 
@@ -23,8 +26,11 @@ Quality numbers appear only when given with --quality, a JSON file:
 (mean_kld required per text; kld_se, top1 in [0, 1], n_tokens optional; "format"
 and "reference" optional; unknown keys are an error).
 
-example:
+examples:
   fle-card out/model-00001-of-00002.gguf -o model-cards/Model-FLE-88GB.md --quality kld.json
+  fle-card --recipe selections/FLE-IQ3_M.recipe.json -o model-cards/FLE-IQ3_M.md
+      the card of a release from its recipe alone: what it is, how it is made,
+      the reproduction command and the recipe's figures, each with its source
 
 The card is written under a temporary name and renamed when complete. Exit
 status 2 with a one-line message for bad input.
@@ -38,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("file", help="GGUF file, or any shard NAME-0000k-of-0000N.gguf of a split model")
+    p.add_argument("file", nargs="?", help="GGUF file, or any shard NAME-0000k-of-0000N.gguf of a split model")
+    p.add_argument("--recipe", metavar="R.recipe.json",
+                   help="make the card from a release recipe instead of a file (no FILE then)")
     p.add_argument("-o", "--output", required=True, metavar="CARD.md", help="where to write the card")
     p.add_argument("--name", help="the card's title (default: the output file name without .md)")
     p.add_argument("--quality", metavar="KLD.json", help="quality numbers to include (format fle.quality/1)")
@@ -46,17 +54,37 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _shown_path(path: str) -> str:
+    """The recipe's path as the card shows it: relative to the working
+    directory when inside it, else its file name (no absolute paths)."""
+    rel = os.path.relpath(os.path.abspath(path))
+    return Path(rel).as_posix() if not rel.startswith("..") else Path(path).name
+
+
 @cli_entry("fle-card")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = Path(args.output)
     name = args.name or (out.name[: -len(".md")] if out.name.endswith(".md") else out.name)
-    declare_inputs(args.file, args.quality)
+    if (args.file is None) == (args.recipe is None):
+        raise FleError("give either a GGUF FILE or --recipe R.recipe.json, not both or neither")
+    if args.recipe and args.quality:
+        raise FleError("--quality: a card from a recipe takes its figures from the recipe; "
+                       "make the card of the built file to add measured quality")
+    if args.recipe and args.name:
+        raise FleError("--name: a card from a recipe is titled with the recipe's name")
+    declare_inputs(args.file or args.recipe, args.quality)
     if out.parent.is_dir():  # else the card's folder is made when it is written
         check_outputs([out], args.force)
-    quality = load_quality(args.quality) if args.quality else None
-    with GGUFModel.open(args.file) as model:
-        text = make_card(model, name, quality)
+    if args.recipe:
+        from ..recipe import load_recipe
+
+        recipe = load_recipe(args.recipe)
+        text = make_recipe_card(recipe, _shown_path(args.recipe))
+    else:
+        quality = load_quality(args.quality) if args.quality else None
+        with GGUFModel.open(args.file) as model:
+            text = make_card(model, name, quality)
     write_card(text, out, force=args.force)
     print(f"wrote {out}")
     return 0
