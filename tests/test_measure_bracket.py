@@ -206,3 +206,33 @@ def test_against_fle_engine_serve(served, tmp_path, capsys):
     assert an["drift"]["change"] == pytest.approx(np.mean(s[2]) / np.mean(s[0]) - 1)
     assert "95 % interval" in text and "Reference drift" in text
     assert rc == (0 if an["valid"] else 1)
+
+
+def test_start_and_stop_commands(tmp_path, capsys):
+    """An arm started and stopped by the bracket for each of its passes."""
+    pytest.importorskip("torch")
+    pytest.importorskip("aiohttp")
+    import shlex
+    import socket
+
+    from fle_quant.synth import make_model
+
+    path = make_model(tmp_path / "m.gguf", "qwen3moe", mix="f32")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "starts.log"
+    cmd = (f"echo start >> {shlex.quote(str(log))}; exec {shlex.quote(sys.executable)} -m fle_engine.cli serve "
+           f"{shlex.quote(str(path))} --port {port} -c 1024 -t 1")
+    url = f"http://127.0.0.1:{port}"
+    out = tmp_path / "s.json"
+    rc = main(["--arm", "ref", url, "--arm", "cand", url, "--start", "ref", cmd, "--start", "cand", cmd,
+               "--stop", "cand", f"echo stop >> {shlex.quote(str(log))}", "--only", "math", "--limit", "2",
+               "--max-tokens", "3", "--allow-length", "--n-boot", "200", "--json", str(out),
+               "--start-timeout", "120"])
+    cap = capsys.readouterr()
+    assert out.exists(), (rc, cap.out, cap.err)
+    # three passes, three starts; the candidate's stop command ran; every server is gone afterwards
+    assert log.read_text().split() == ["start", "start", "stop", "start"]
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
