@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import FleError
 
-__all__ = ["Interval", "paired_bootstrap", "drift", "combined_se", "DRIFT_LIMIT", "N_BOOT"]
+__all__ = ["Interval", "paired_bootstrap", "paired_bootstrap_diff", "mcnemar_exact", "drift", "combined_se", "DRIFT_LIMIT", "N_BOOT"]
 
 DRIFT_LIMIT = 0.05
 N_BOOT = 10000
@@ -117,3 +117,35 @@ def drift(first, second, limit: float = DRIFT_LIMIT) -> Drift:
 def combined_se(a: float, b: float) -> float:
     """Standard error of a difference of two independent estimates."""
     return math.sqrt(a * a + b * b)
+
+
+def paired_bootstrap_diff(a, b, *, n_boot: int = N_BOOT, seed: int = 0, confidence: float = 0.95) -> Interval:
+    """Difference of means ``mean(b) - mean(a)`` over paired observations
+    (e.g. 0/1 correctness of the same questions on two servers), with the
+    percentile bootstrap interval; the same resampling as
+    :func:`paired_bootstrap`."""
+    x, y = _paired_arrays(a, b)
+    if n_boot < 100:
+        raise FleError(f"a bootstrap needs at least 100 resamples, got {n_boot}")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, x.size, (n_boot, x.size))
+    diffs = y[idx].mean(axis=1) - x[idx].mean(axis=1)
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(diffs, [alpha, 1 - alpha])
+    return Interval(float(y.mean() - x.mean()), float(low), float(high), confidence, int(x.size), int(n_boot),
+                    int(seed))
+
+
+def mcnemar_exact(a, b) -> tuple[int, int, float]:
+    """Exact McNemar test of paired 0/1 outcomes: the discordant counts
+    (a right and b wrong, a wrong and b right) and the two-sided p-value of
+    the binomial test on them (scipy)."""
+    from scipy.stats import binomtest
+
+    x = np.asarray(a, dtype=bool)
+    y = np.asarray(b, dtype=bool)
+    n10 = int((x & ~y).sum())
+    n01 = int((~x & y).sum())
+    if n10 + n01 == 0:
+        return n10, n01, 1.0
+    return n10, n01, float(binomtest(n10, n10 + n01, 0.5).pvalue)
