@@ -58,19 +58,19 @@ def test_size_kld_from_fle_kld(models, tmp_path, capsys):
     assert main(["size-kld", *args, "--speed", "Q8_0", "10", "--speed", "IQ4_NL", "12", "--speed", "IQ3_S", "14",
                  "-o", str(out)]) == 0
     said = capsys.readouterr().out
-    assert "file size (GB) against mean KLD" in said and "3 files" in said and "colour = decode speed" in said
+    assert "file size (MB) against mean KLD" in said and "3 files" in said and "colour = decode speed" in said
     png_ok(out)
     from fle_quant.measure.accept import read_kld_result
 
     pts = [plot.SizePoint(q, plot.file_size(str(models[q])), *(lambda r: (r.kld, r.kld_se))(
         read_kld_result(tmp_path / f"{q}.kld.txt")), q == "IQ3_S") for q in ("Q8_0", "IQ4_NL", "IQ3_S")]
     _, ax = plot.size_kld(pts, str(tmp_path / "again.png"))
-    assert ax.get_xlabel() == "file size (GB)" and ax.get_ylabel() == "mean KLD vs base"
+    assert ax.get_xlabel() == "file size (MB)" and ax.get_ylabel() == "mean KLD vs base"
     offsets = np.concatenate([c.get_offsets() for c in ax.collections if hasattr(c, "get_offsets")
                               and len(c.get_offsets()) and c.get_offsets().shape[1] == 2])
     # Q8_0's experts are the largest and the closest to the reference
     assert pts[0].size_bytes > pts[2].size_bytes and pts[0].kld < pts[2].kld
-    assert {round(x, 6) for x in offsets[:, 0]} >= {round(p.size_bytes / 1e9, 6) for p in pts}
+    assert {round(x, 6) for x in offsets[:, 0]} >= {round(p.size_bytes / 1e6, 6) for p in pts}
 
 
 def test_heatmap_from_sensitivity_and_selection(models, tmp_path, capsys):

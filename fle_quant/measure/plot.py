@@ -81,7 +81,8 @@ def size_kld(points: list[SizePoint], out: str, *, force: bool = False, title: s
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
     colour = all(p.speed is not None for p in points)
-    sizes = np.array([p.size_bytes / 1e9 for p in points])
+    unit, scale = ("GB", 1e9) if max(p.size_bytes for p in points) >= 1e9 else ("MB", 1e6)
+    sizes = np.array([p.size_bytes / scale for p in points])
     klds = np.array([p.kld for p in points])
     ses = np.array([p.kld_se for p in points])
     sc = None
@@ -100,14 +101,14 @@ def size_kld(points: list[SizePoint], out: str, *, force: bool = False, title: s
         ax.annotate(p.name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     if sc is not None:
         fig.colorbar(sc, ax=ax, label="decode speed (t/s)")
-    ax.set_xlabel("file size (GB)")
+    ax.set_xlabel(f"file size ({unit})")
     ax.set_ylabel("mean KLD vs base")
     ax.set_title(title or "Size vs KL divergence")
     ax.legend()
     ax.grid(True, alpha=0.3)
     _save(fig, out, force)
     plt.close(fig)
-    what = (f"{out}: file size (GB) against mean KLD with ±1 standard error for {len(points)} files "
+    what = (f"{out}: file size ({unit}) against mean KLD with ±1 standard error for {len(points)} files "
             f"(circles FLE's, squares public)" + (", colour = decode speed" if colour else ""))
     return what, ax
 
@@ -117,6 +118,8 @@ def sensitivity_heatmap(table, out: str, selection=None, *, force: bool = False)
     :class:`fle_quant.select.Selection` or None."""
     plt = _pyplot()
     from matplotlib.colors import LogNorm
+
+    from ..units import format_size
 
     err = np.where(table.available, table.errors, np.nan)
     pos = err[np.isfinite(err) & (err > 0)]
@@ -147,10 +150,10 @@ def sensitivity_heatmap(table, out: str, selection=None, *, force: bool = False)
             ys.append(i)
         ax.scatter(xs, ys, marker="s", s=60, facecolors="none", edgecolors="cyan", linewidths=2,
                    label="selection")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.25, 1.0))
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), frameon=False)
         marked = len(xs)
         ax.set_title(f"Sensitivity per layer; selection: error {selection.predicted_error:.3g}, "
-                     f"{selection.size_bytes / 1e9:.2f} GB")
+                     f"{format_size(selection.size_bytes)}")
     else:
         ax.set_title("Sensitivity per layer")
     _save(fig, out, force)
