@@ -41,16 +41,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _size(text: str, name: str) -> int:
+    """A size (``88.9GB``) or, when it is none, a GGUF model whose bytes are counted."""
+    from ..measure.plot import file_size
     from ..units import parse_size
 
-    if os.path.exists(text):
-        from ..measure.plot import file_size
-
-        return file_size(text)
     try:
         return parse_size(text, f"size of {name}")
     except FleError:
-        raise FleError(f"point {name}: {text!r} is neither a GGUF file nor a size (e.g. 12.3GB)") from None
+        return file_size(text)
 
 
 @cli_entry("fle-plot")
@@ -74,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError:
                 raise FleError(f"--speed {n} {v!r}: not a number of tokens per second") from None
         for (n, m, k), _ in rows:
-            declare_inputs(k, m if os.path.exists(m) else None)
+            declare_inputs(k, m if os.path.lexists(m) else None)
         check_outputs([args.output], args.force)
         pts = []
         for (n, m, k), public in rows:
