@@ -116,6 +116,9 @@ COMMANDS = [
         ["model", "kldres"], out="png"),
     Cmd("plot-heatmap", "fle_quant.cli.plot_cli", ["heatmap", "{sens}", "--selection", "{sel}", "-o", "{out}"],
         ["sens", "sel"], json=["sens", "sel"], out="png"),
+    Cmd("plot-predicted", "fle_quant.cli.plot_cli", ["predicted", "--file", "a", "{sel}", "{kldres}", "--file", "b",
+                                                     "{sel}", "{kldres}", "-o", "{out}"], ["sel", "kldres"],
+        json=["sel"], out="png"),
     Cmd("plot-forest", "fle_quant.cli.plot_cli", ["forest", "{bracket}", "-o", "{out}"], ["bracket"],
         json=["bracket"], out="png"),
 ]

@@ -39,14 +39,20 @@ def models(tmp_path_factory):
     return out
 
 
-def test_size_kld_from_fle_kld(models, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def kld_base(models):
     from fle_quant.cli.kld_cli import main as kld_main
 
-    d = models["dir"]
-    base = d / "base.kld"
-    if not base.exists():
-        assert kld_main(["base", str(models["ref"]), "--text", str(models["text"]), "-c", "64", "--chunks", "2",
-                         "-o", str(base)]) == 0
+    base = models["dir"] / "base.kld"
+    assert kld_main(["base", str(models["ref"]), "--text", str(models["text"]), "-c", "64", "--chunks", "2",
+                     "-o", str(base)]) == 0
+    return base
+
+
+def test_size_kld_from_fle_kld(models, kld_base, tmp_path, capsys):
+    from fle_quant.cli.kld_cli import main as kld_main
+
+    base = kld_base
     capsys.readouterr()
     args = []
     for q, flag in (("Q8_0", "--point"), ("IQ4_NL", "--point"), ("IQ3_S", "--public")):
@@ -107,6 +113,56 @@ def test_heatmap_from_sensitivity_and_selection(models, tmp_path, capsys):
     assert main(["heatmap", str(table), "--selection", str(tmp_path / "other.json"), "-o",
                  str(tmp_path / "h4.png")]) == 2
     assert "another sensitivity table" in capsys.readouterr().err and not (tmp_path / "h4.png").exists()
+
+
+def test_predicted_vs_measured_from_built_files(models, kld_base, tmp_path, capsys):
+    """Three files spliced from fle-select selections at three targets, each
+    measured with fle-kld: predicted summed error against measured KLD."""
+    from fle_quant.cli.kld_cli import main as kld_main
+    from fle_quant.cli.select_cli import main as select_main
+    from fle_quant.cli.sensitivity_cli import main as sens_main
+    from fle_quant.cli.splice_cli import main as splice_main
+    from fle_quant.select import load_table
+
+    table = tmp_path / "sens.json"
+    donors = ["--donor", f"IQ4_NL={models['IQ4_NL']}", "--donor", f"IQ3_S={models['IQ3_S']}"]
+    assert sens_main(["--ref", str(models["ref"]), *donors, "--text", str(models["text"]), "--tokens", "64",
+                      "--ctx", "32", "-o", str(table)]) == 0
+    t = load_table(table)
+    small = t.fixed_bytes + int(np.where(t.available, t.expert_bytes, 1 << 60).min(axis=1).sum())
+    args = []
+    for k, frac in enumerate((0.2, 0.5, 0.8)):
+        target = int(small + frac * (t.base_size_bytes - small))
+        sel, out, res = tmp_path / f"s{k}.json", tmp_path / f"f{k}.gguf", tmp_path / f"f{k}.kld.txt"
+        assert select_main(["--sensitivity", str(table), "--target", str(target), "--step", "1KB", "-o", str(sel)]) == 0
+        assert splice_main(["--base", str(models["ref"]), *donors, "--selection", str(sel), "-o", str(out)]) == 0
+        capsys.readouterr()
+        assert kld_main([str(out), "--base", str(kld_base)]) == 0
+        res.write_text(capsys.readouterr().out)
+        args += ["--file", f"f{k}", str(sel), str(res)]
+    png = tmp_path / "pred.png"
+    assert main(["predicted", *args, "-o", str(png)]) == 0
+    said = capsys.readouterr().out
+    assert "summed predicted error against measured mean KLD" in said and "3 files" in said
+    png_ok(png)
+    from fle_quant.measure.accept import read_kld_result
+    from fle_quant.select import load_selection
+
+    pred = [load_selection(tmp_path / f"s{k}.json").predicted_error for k in range(3)]
+    meas = [read_kld_result(tmp_path / f"f{k}.kld.txt").kld for k in range(3)]
+    _, ax, rho = plot.predicted_vs_measured(["a", "b", "c"], pred, meas, [0, 0, 0], str(tmp_path / "p2.png"))
+    assert ax.get_xlabel() == "predicted summed error (selection)" and f"{rho:.3f}" in ax.get_title()
+    # a smaller target predicts a larger error, and the measured KLD follows
+    assert pred[0] > pred[2] and meas[0] > meas[2]
+
+
+def test_rank_correlation_against_plain_ranks():
+    rng = np.random.default_rng(9)
+    x, y = rng.normal(size=12), rng.normal(size=12)
+    rx, ry = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))  # no ties
+    assert plot.rank_correlation(x, y) == pytest.approx(np.corrcoef(rx, ry)[0, 1])
+    assert plot.rank_correlation([1, 2, 3], [3, 2, 1]) == pytest.approx(-1)
+    assert np.isnan(plot.rank_correlation([1, 1, 1], [1, 2, 3]))
 
 
 def bracket_result():

@@ -11,6 +11,7 @@ from .common import check_outputs, cli_entry, declare_inputs, exit_main
 _KINDS = {
     "size-kld": "file size against mean KLD over many files, FLE's and the public ones, speed as colour",
     "heatmap": "a sensitivity table's predicted error per layer and source, a selection marked",
+    "predicted": "several built files' predicted summed error against measured KLD, with the rank correlation",
     "forest": "an fle-bracket result's speed changes with their 95 % intervals, per category",
 }
 
@@ -31,10 +32,13 @@ def _parser() -> argparse.ArgumentParser:
     h = sub.add_parser("heatmap", help=_KINDS["heatmap"])
     h.add_argument("table", help="sensitivity table (fle-sensitivity -o)")
     h.add_argument("--selection", help="selection to mark (fle-select -o)")
+    r = sub.add_parser("predicted", help=_KINDS["predicted"])
+    r.add_argument("--file", nargs=3, action="append", default=[], metavar=("NAME", "SEL.json", "KLD"),
+                   help="a built file: name, the selection it was spliced from (fle-select -o) and its KLD result")
     f = sub.add_parser("forest", help=_KINDS["forest"])
     f.add_argument("bracket", help="fle-bracket --json result")
     f.add_argument("--no-categories", action="store_true", help="only each candidate's overall interval")
-    for q in (s, h, f):
+    for q in (s, h, r, f):
         q.add_argument("-o", "--output", required=True, help="PNG file to write")
         q.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     return p
@@ -87,6 +91,23 @@ def main(argv: list[str] | None = None) -> int:
         table = load_table(args.table)
         sel = load_selection(args.selection) if args.selection else None
         what, _ = plot.sensitivity_heatmap(table, args.output, sel, force=args.force)
+    elif args.kind == "predicted":
+        from ..measure.accept import read_kld_result
+        from ..select import load_selection
+
+        names = [n for n, _, _ in args.file]
+        if len(set(names)) != len(names):
+            raise FleError("file names must differ; give each --file its own NAME")
+        for _, sel, k in args.file:
+            declare_inputs(sel, k)
+        check_outputs([args.output], args.force)
+        pred, kl, se = [], [], []
+        for _, sel, k in args.file:
+            pred.append(load_selection(sel).predicted_error)
+            res = read_kld_result(k)
+            kl.append(res.kld)
+            se.append(res.kld_se)
+        what, _, _ = plot.predicted_vs_measured(names, pred, kl, se, args.output, force=args.force)
     else:
         from ..measure.bracket import read_bracket
 

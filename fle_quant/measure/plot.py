@@ -6,6 +6,9 @@
 * :func:`sensitivity_heatmap` -- the predicted error of every layer (rows)
   and candidate source (columns) of an ``fle.sensitivity/1`` table on a log
   colour scale, with a selection's choice per layer marked.
+* :func:`predicted_vs_measured` -- the summed predicted error of several
+  built files' selections against their measured mean KLD, with Spearman's
+  rank correlation (scipy).
 * :func:`forest` -- each candidate's change in decode speed from an
   ``fle-bracket`` result with its 95 % interval, overall and per category,
   with the reference drift in the title.
@@ -23,7 +26,8 @@ import numpy as np
 from ..errors import FleError
 from ..files import OutputSet, write_error
 
-__all__ = ["SizePoint", "size_kld", "sensitivity_heatmap", "forest", "file_size"]
+__all__ = ["SizePoint", "size_kld", "sensitivity_heatmap", "forest", "predicted_vs_measured", "rank_correlation",
+           "file_size"]
 
 
 def _pyplot():
@@ -197,3 +201,37 @@ def forest(result: dict, out: str, *, force: bool = False, categories: bool = Tr
             f"{an['reference']['name']} with 95 % bootstrap intervals"
             + (", overall and per category" if categories else ""))
     return what, ax
+
+
+def rank_correlation(x, y) -> float:
+    """Spearman's rank correlation (scipy), NaN when either side is constant."""
+    from scipy.stats import spearmanr
+
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if x.size < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    return float(spearmanr(x, y).statistic)
+
+
+def predicted_vs_measured(names: list[str], predicted: list[float], klds: list[float], ses: list[float], out: str,
+                          *, force: bool = False):
+    """Each built file's summed predicted error (its selection) against its
+    measured mean KLD, with Spearman's rank correlation in the title."""
+    if len(names) < 2:
+        raise FleError("give at least two files (--file) to compare predicted and measured error")
+    plt = _pyplot()
+    rho = rank_correlation(predicted, klds)
+    fig, ax = plt.subplots(figsize=(6.5, 5))
+    ax.errorbar(predicted, klds, yerr=ses, fmt="o", capsize=3, markeredgecolor="k")
+    for n, x, y in zip(names, predicted, klds):
+        ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("predicted summed error (selection)")
+    ax.set_ylabel("measured mean KLD vs base")
+    ax.set_title(f"Predicted vs measured: Spearman rho = {rho:.3f} (n={len(names)})")
+    ax.grid(True, alpha=0.3)
+    _save(fig, out, force)
+    plt.close(fig)
+    what = (f"{out}: summed predicted error against measured mean KLD (±1 standard error) for {len(names)} "
+            f"files, Spearman rank correlation {rho:.3f}")
+    return what, ax, rho
