@@ -109,3 +109,58 @@ def test_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--text", "a", good, good])  # no held-out text
     assert e.value.code == 2
+
+
+def test_texts_rebuilt(tmp_path, capsys):
+    """The Python reference offline; manifest texts fetched from a loopback
+    server and checked against their SHA-256."""
+    import hashlib
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from fle_quant.measure.texts import python_reference
+
+    body = "Kubernetes README stand-in\n".encode() * 50
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            if self.path != "/k8s.md":
+                self.send_response(404)
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        good = tmp_path / "m.json"
+        good.write_text(json.dumps({"texts": [{"name": "k8s", "url": url + "/k8s.md",
+                                               "sha256": hashlib.sha256(body).hexdigest()}]}))
+        out = tmp_path / "texts"
+        assert main(["texts", "-o", str(out), "--manifest", str(good)]) == 0
+        said = capsys.readouterr().out
+        assert (out / "k8s.txt").read_bytes() == body
+        py = (out / "python-reference.txt").read_bytes()
+        assert py == python_reference() and len(py) > 100_000 and b"\nif\n==\n" in py
+        assert hashlib.sha256(py).hexdigest() in said
+        bad = tmp_path / "b.json"
+        bad.write_text(json.dumps({"texts": [{"name": "k8s", "url": url + "/k8s.md", "sha256": "0" * 64}]}))
+        assert main(["texts", "-o", str(tmp_path / "t2"), "--manifest", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert "SHA-256" in err and "nothing was written" in err and not (tmp_path / "t2").exists()
+        missing = tmp_path / "x.json"
+        missing.write_text(json.dumps({"texts": [{"name": "w", "url": url + "/nope", "sha256": "0" * 64}]}))
+        assert main(["texts", "-o", str(tmp_path / "t3"), "--manifest", str(missing)]) == 2
+        assert "HTTP 404" in capsys.readouterr().err
+        assert main(["texts", "-o", str(out)]) == 2  # exists, no --force
+        assert "exists" in capsys.readouterr().err
+    finally:
+        srv.shutdown()
+        srv.server_close()

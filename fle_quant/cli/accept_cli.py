@@ -16,7 +16,8 @@ def _parser() -> argparse.ArgumentParser:
                     "errors above the reference's and its top-1 agreement at most 0.5 points below, and a "
                     "held-out text confirms. Each RESULT is the saved output of 'fle-kld MODEL --base BASE.kld' "
                     "or 'llama-perplexity --kl-divergence', or a JSON summary with kld_mean, kld_unc, same_top, "
-                    "same_top_unc. Exit status: 0 accepted, 1 not accepted, 2 bad input.")
+                    "same_top_unc. Exit status: 0 accepted, 1 not accepted, 2 bad input.",
+        epilog="Run 'fle-accept texts --help' to rebuild the evaluation texts.")
     p.add_argument("--text", nargs=3, action="append", default=[], metavar=("NAME", "CANDIDATE", "REFERENCE"),
                    help="one text: its name and the candidate's and the reference's KLD results (repeatable)")
     p.add_argument("--held-out", nargs=3, action="append", default=[], required=True,
@@ -27,8 +28,28 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _texts_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fle-accept texts",
+        description="Rebuild the evaluation texts: the Python language reference from the running Python's "
+                    "pydoc_data (offline), and every text of a manifest (JSON {\"texts\": [{name, url, sha256}]}) "
+                    "fetched by URL and checked against its SHA-256.")
+    p.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="folder to write NAME.txt files into")
+    p.add_argument("--manifest", metavar="FILE", help="texts to fetch, each with its SHA-256")
+    p.add_argument("--force", action="store_true", help="replace texts that exist")
+    return p
+
+
 @cli_entry("fle-accept")
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "texts":
+        from ..measure.texts import build
+
+        targs = _texts_parser().parse_args(argv[1:])
+        declare_inputs(targs.manifest)
+        build(targs.output_dir, targs.manifest, targs.force)
+        return 0
     args = _parser().parse_args(argv)
     from ..measure.accept import format_table, judge, judge_text, read_kld_result
     from ..textio import write_json_atomic
