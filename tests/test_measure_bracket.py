@@ -135,6 +135,29 @@ def test_scripted_flags_and_fallback(scripted, tmp_path, capsys):
     assert "Invalid: ref (pass 1)" in text and not an["candidates"][0]["valid"]
 
 
+def test_failed_arm_keeps_the_requests(scripted, tmp_path, capsys):
+    srv, url, ps = scripted
+    srv.speeds = [[50.0] * 6] * 3
+    srv.fail = {0, 1, 2, 3, 4}
+    out = tmp_path / "b.json"
+    assert main(["--arm", "ref", url, "--arm", "c", url, "--limit", "6", "--json", str(out)]) == 1
+    cap = capsys.readouterr()
+    assert "no analysis: only 1 prompt(s) were answered by every arm" in cap.err
+    r = json.loads(out.read_text())
+    assert r["analysis"] is None and len(r["passes"]) == 3 and len(r["passes"][0]["requests"]) == 6
+    assert main(["table", str(out)]) == 2
+    assert "without an analysis" in capsys.readouterr().err
+
+
+def test_memory_pressure_flags_an_arm():
+    from fle_quant.measure.bracket import MEMORY_PRESSURE_LIMIT, _invalid
+
+    p = {"requests": [], "memory_pressure_avg10": MEMORY_PRESSURE_LIMIT + 1}
+    assert _invalid(p, False) and "memory pressure" in _invalid(p, False)[0]
+    assert _invalid({**p, "memory_pressure_avg10": 0.5}, False) == []
+    assert _invalid({**p, "memory_pressure_avg10": None}, False) == []
+
+
 def test_bad_input(tmp_path, capsys):
     assert main(["--arm", "a", "localhost:1", "--arm", "b", "http://x"]) == 2
     assert "--arm a" in capsys.readouterr().err

@@ -120,7 +120,17 @@ def main(argv: list[str] | None = None) -> int:
                 "allow_length": args.allow_length, "n_boot": args.n_boot, "boot_seed": args.boot_seed,
                 "timeout": args.timeout}
     passes = run_bracket(arms, prompts, body, timeout=args.timeout, log=lambda s: print(s, flush=True))
-    analysis = analyse(passes, allow_length=args.allow_length, n_boot=args.n_boot, seed=args.boot_seed)
+    try:
+        analysis = analyse(passes, allow_length=args.allow_length, n_boot=args.n_boot, seed=args.boot_seed)
+    except FleError as e:
+        # the requests are kept: a long run is not lost to an arm that failed
+        result = build_result(passes, settings, prompts, None)
+        result["error"] = str(e)
+        print(f"fle-bracket: no analysis: {e}", file=sys.stderr)
+        if args.json:
+            write_json_atomic(args.json, result, args.force)
+            print(f"wrote {args.json} (requests only)")
+        return 1
     result = build_result(passes, settings, prompts, analysis)
     table = markdown(result)
     print()

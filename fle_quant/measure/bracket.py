@@ -236,6 +236,8 @@ def read_bracket(path: str) -> dict:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise FleError(f"{path}: not an fle-bracket result (field 'format' is not {FORMAT!r})")
     an = obj.get("analysis")
+    if an is None and isinstance(obj.get("error"), str):
+        raise FleError(f"{path}: a bracket without an analysis ({obj['error']}); run it again")
     if not isinstance(an, dict) or not isinstance(an.get("candidates"), list) or "reference" not in an:
         raise FleError(f"{path}: field 'analysis' is missing or incomplete; give fle-bracket's --json output")
     return obj
