@@ -55,3 +55,19 @@ def test_bad_data():
         paired_bootstrap([1, 2, 3], [1, 2])
     with pytest.raises(FleError, match="at least 2"):
         paired_bootstrap([1], [1])
+
+
+def test_bootstrap_agrees_with_scipy():
+    """scipy's paired percentile bootstrap draws other resamples; with many
+    of them both intervals agree to well within their width."""
+    from scipy.stats import bootstrap
+
+    rng = np.random.default_rng(11)
+    ref = rng.uniform(40, 60, 40)
+    cand = ref * 0.95 + rng.normal(0, 1.5, 40)
+    iv = paired_bootstrap(ref, cand, n_boot=20000, seed=3)
+    sp = bootstrap((ref, cand), lambda r, c, axis=-1: c.mean(axis=axis) / r.mean(axis=axis) - 1, paired=True,
+                   vectorized=True, n_resamples=20000, method="percentile", random_state=np.random.default_rng(3))
+    width = iv.high - iv.low
+    assert abs(sp.confidence_interval.low - iv.low) < 0.05 * width
+    assert abs(sp.confidence_interval.high - iv.high) < 0.05 * width
