@@ -133,3 +133,43 @@ def test_bad_input(tmp_path, capsys):
     j.write_text("[]")
     assert main(["compare", str(j), str(j)]) == 2
     assert "not an fle-probe result" in capsys.readouterr().err
+
+
+def test_probe_against_fle_engine_serve(tmp_path, capsys):
+    """The probe's requests (system prompt, thinking off, its sampling) are
+    accepted by fle-engine serve; a factory model's answers are graded."""
+    pytest.importorskip("torch")
+    pytest.importorskip("aiohttp")
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from fle_quant.synth import make_model
+
+    path = make_model(tmp_path / "m.gguf", "qwen3moe", mix="f32")
+    proc = subprocess.Popen([sys.executable, "-m", "fle_engine.cli", "serve", str(path), "--port", "0", "-c", "1024",
+                             "-t", "1"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        deadline, line = time.monotonic() + 180, ""
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line or "listening on http://" in line:
+                break
+        assert "listening on http://" in line, line
+        url = line.split("listening on ")[1].split()[0]
+        assert main(["--arm", "tiny", url, "--limit", "2", "--json", str(tmp_path / "p")]) == 0
+        r = json.loads((tmp_path / "p.tiny.json").read_text())
+        assert [x["grade"] for x in r["records"]] != ["failed", "failed"], r["records"]
+        assert all(x["grade"] in ("correct", "wrong", "abstain") for x in r["records"]), r["records"]
+        assert r["score"]["n"] == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
