@@ -105,10 +105,26 @@ COMMANDS = [
                                        "--device", "cpu", "--cache-profile", "none"], ["model"], torch=True),
     # the server: its model is checked before it listens (the HTTP side's bad requests: tests/test_server*.py)
     Cmd("serve", "fle_engine.cli", ["serve", "{model}", "--device", "cpu", "--port", "0"], ["model"], torch=True),
+    # the measurement tools (fle-bracket and fle-probe runs talk to servers: tests/test_measure_*.py)
+    Cmd("accept", "fle_quant.cli.accept_cli", ["--text", "a", "{kldres}", "{kldres}", "--held-out", "b", "{kldres}",
+                                               "{kldres}", "--json", "{out}"], ["kldres"], out="json"),
+    Cmd("bracket-table", "fle_quant.cli.bracket_cli", ["table", "{bracket}", "-o", "{out}"], ["bracket"],
+        json=["bracket"], out="md"),
+    Cmd("probe-compare", "fle_quant.cli.probe_cli", ["compare", "{probe}", "{probe}", "--n-boot", "100"], ["probe"],
+        json=["probe"]),
+    Cmd("plot-size-kld", "fle_quant.cli.plot_cli", ["size-kld", "--point", "a", "{model}", "{kldres}", "-o", "{out}"],
+        ["model", "kldres"], out="png"),
+    Cmd("plot-heatmap", "fle_quant.cli.plot_cli", ["heatmap", "{sens}", "--selection", "{sel}", "-o", "{out}"],
+        ["sens", "sel"], json=["sens", "sel"], out="png"),
+    Cmd("plot-predicted", "fle_quant.cli.plot_cli", ["predicted", "--file", "a", "{sel}", "{kldres}", "--file", "b",
+                                                     "{sel}", "{kldres}", "-o", "{out}"], ["sel", "kldres"],
+        json=["sel"], out="png"),
+    Cmd("plot-forest", "fle_quant.cli.plot_cli", ["forest", "{bracket}", "-o", "{out}"], ["bracket"],
+        json=["bracket"], out="png"),
 ]
 WRITERS = [c for c in COMMANDS if c.out]
 BY_NAME = {c.name: c for c in COMMANDS}
-_OUT_NAME = {"gguf": "out.gguf", "json": "out.json", "md": "out.md", "kld": "out.kld"}
+_OUT_NAME = {"gguf": "out.gguf", "json": "out.json", "md": "out.md", "kld": "out.kld", "png": "out.png"}
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 40 + "\n")
 
@@ -154,7 +170,28 @@ def ws(tmp_path_factory):
     sel = load_selection(files["sel"])
     sel = dataclasses.replace(sel, sources={0: sel.base, 1: "Q8"})
     Path(files["sel"]).write_text(json.dumps(sel.to_json()))
+    measure_inputs(d, files)
     return files
+
+
+def measure_inputs(d: Path, files: dict[str, str]) -> None:
+    """A KLD result as fle-kld prints it, an fle-bracket and an fle-probe result."""
+    from fle_quant.measure import probe
+    from fle_quant.measure.bracket import analyse, build_result, standard_prompts
+
+    (d / "kld.txt").write_text("Mean    KLD:   0.012000 ±   0.000300\nSame top p: 93.000 ± 0.100 %\n")
+    files["kldres"] = str(d / "kld.txt")
+    ps = standard_prompts()[:4]
+    passes = [{"name": n, "url": "http://127.0.0.1:1", "pass": k + 1, "memory_pressure_avg10": None,
+               "requests": [{"id": p.id, "category": p.category, "ok": True, "finish_reason": "stop",
+                             "completion_tokens": 10, "wall_s": 1.0, "speed": 10.0 + i + k, "speed_source": "timings"}
+                            for i, p in enumerate(ps)]} for k, n in enumerate(("ref", "cand", "ref"))]
+    (d / "bracket.json").write_text(json.dumps(build_result(passes, {}, ps, analyse(passes, n_boot=100))))
+    files["bracket"] = str(d / "bracket.json")
+    recs = [{"id": q.id, "reply": "x", "grade": g, "error": None}
+            for q, g in zip(probe.standard_questions()[:4], ("correct", "wrong", "abstain", "correct"))]
+    (d / "probe.json").write_text(json.dumps(probe.result("a", "http://127.0.0.1:1", "en", "standard", recs)))
+    files["probe"] = str(d / "probe.json")
 
 
 def sha(path) -> str:
