@@ -82,6 +82,10 @@ COMMANDS = [
     Cmd("inspect-json", "fle_quant.cli.inspect_cli", ["{model}", "--json"], ["model"]),
     Cmd("recipe", "fle_quant.cli.recipe_cli", ["validate", "{recipe}"], ["recipe"], json=["recipe"]),
     Cmd("recipe-show", "fle_quant.cli.recipe_cli", ["show", "{recipe}"], ["recipe"], json=["recipe"]),
+    Cmd("card-recipe", "fle_quant.cli.card_cli", ["--recipe", "{recipe}", "-o", "{out}"], ["recipe"], json=["recipe"],
+        out="md"),
+    Cmd("build-dry-run", "fle_quant.cli.build_cli", ["{recipe}", "--dry-run", "--offline", "--dir", "{outdir}"],
+        ["recipe"], json=["recipe"]),
     Cmd("splice", "fle_quant.cli.splice_cli",
         ["--base", "{model}", "--donor", "Q8={donor}", "--selection", "{sel}", "-o", "{out}"],
         ["model", "donor", "sel"], json=["sel"], out="gguf", split=["--split-max-tensors", "8"]),
@@ -319,7 +323,7 @@ def _unwritable(kind: str, outdir: Path, cmd: Cmd) -> tuple[str, list[str]]:
 @pytest.mark.parametrize("cmd", WRITERS, ids=[c.name for c in WRITERS])
 @pytest.mark.parametrize("kind", ["directory", "name-too-long", "proc", "missing-folder", "not-a-folder"])
 def test_unwritable_output_is_one_line(ws, outdir, cmd, kind):
-    if kind == "missing-folder" and cmd.name == "card":
+    if kind == "missing-folder" and cmd.name in ("card", "card-recipe"):
         pytest.skip("fle-card makes the card's folder")
     out, words = _unwritable(kind, outdir, cmd)
     files = files_for(ws, outdir, cmd)
