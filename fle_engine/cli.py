@@ -14,6 +14,7 @@ import sys
 import time
 
 from fle_quant.cli.common import check_device, cli_entry, declare_inputs, exit_main
+from fle_quant.files import check_outputs
 from fle_quant.errors import FleError
 
 _DESCRIPTION = "Run a GGUF model with FLE's engine (torch)."
@@ -75,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="drop tokens below this fraction of the top probability; 0 = off (default: 0.05)")
     g.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: a random one)")
     g.add_argument("--special", action="store_true", help="print control tokens' text too")
+    g.add_argument("--stats-json", default=None, metavar="FILE",
+                   help="engine: write the expert cache's hits per step (fle.engine-stats/1; fle-plot hit-rate "
+                        "draws the hit rate over time); replaced if it exists")
     g.add_argument("-c", "--ctx-size", type=int, default=None, dest="ctx_size", metavar="N",
                    help="engine: KV cache positions; 0 = the model's context (default: prompt + -n, at most the "
                         "model's)")
@@ -138,6 +142,7 @@ def _generate(args) -> int:
             raise FleError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     declare_inputs(args.model, args.mtp_head)
+    check_outputs([args.stats_json], True)
     device = resolve_device(args.device)
     sampler = Sampler(SamplerParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed))
     tok = Tokenizer.from_gguf(args.model)
@@ -147,6 +152,8 @@ def _generate(args) -> int:
     args.n_predict, args.ctx_size = bound_request(args.model, len(prompt), args.n_predict, args.ctx_size)
     if device == "cuda" and use_engine(args.model, args):
         return _generate_engine(args, tok, prompt, sampler)
+    if args.stats_json:
+        raise FleError("--stats-json records the engine's expert cache: it needs the engine (a CUDA device)")
     model = load(args.model, device=device)
     if tok.n_vocab > model.n_vocab:
         raise FleError(f"{args.model}: the vocabulary has {tok.n_vocab} tokens but the model outputs "
@@ -276,6 +283,8 @@ def _generate_engine(args, tok, prompt, sampler) -> int:
         why = "end of generation" if stopped else f"{n_predict} tokens"
         print(f"[prompt {len(prompt)} tokens, generated {n} tokens ({why})]", file=sys.stderr)
         print(eng.stats.summary(eng.cache), file=sys.stderr)
+        if args.stats_json:
+            eng.save_stats(args.stats_json, force=True)
     return 0
 
 

@@ -209,3 +209,39 @@ def test_bad_input(tmp_path, capsys):
     assert ".png" in capsys.readouterr().err
     assert main(["size-kld", "--point", "a", "1GB", str(k), "--speed", "b", "3", "-o", str(tmp_path / "x.png")]) == 2
     assert "no point of that name" in capsys.readouterr().err
+
+
+def test_hit_rate_from_engine_statistics(tmp_path, capsys):
+    """The engine's per-step cache hits (Engine.save_stats, as fle-engine
+    generate --stats-json writes them) drawn over time."""
+    pytest.importorskip("torch")
+    from fle_engine.runtime import Engine
+    from fle_quant.synth import make_model
+
+    model = make_model(tmp_path / "m.gguf", "qwen3moe", seed=3, mix="release", routing_skew=1.0)
+    eng = Engine(model, device="cpu", cache_budget=0, ctx_size=64, profile_path="none", progress=False,
+                 log=lambda m: None)
+    probe = sum(lay.expert_bytes for lay in eng.net.layouts.values())
+    eng.close()
+    eng = Engine(model, device="cpu", cache_budget=3 * probe, ctx_size=64, profile_path="none", progress=False,
+                 log=lambda m: None)
+    eng.generate([1, 2, 3], 40)
+    stats = tmp_path / "stats.json"
+    eng.save_stats(stats)
+    eng.close()
+    obj = json.loads(stats.read_text())
+    assert obj["format"] == "fle.engine-stats/1" and len(obj["hits"]) == 42
+    assert obj["requests_per_step"] == eng.args.n_layer * eng.args.n_expert_used
+    assert 0 < sum(obj["hits"]) < len(obj["hits"]) * obj["requests_per_step"]
+    out = tmp_path / "hits.png"
+    assert main(["hit-rate", str(stats), "--window", "8", "-o", str(out)]) == 0
+    assert "hit rate over 42 decode steps" in capsys.readouterr().out
+    png_ok(out)
+    _, ax = plot.hit_rate(obj, str(tmp_path / "h2.png"), window=8)
+    assert ax.get_xlabel() == "decode step" and ax.get_ylabel() == "expert cache hit rate"
+    overall = sum(obj["hits"]) / (42 * obj["requests_per_step"])
+    assert f"{overall:.3f} overall" in ax.get_title()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**obj, "hits": [obj["requests_per_step"] + 1]}))
+    assert main(["hit-rate", str(bad), "-o", str(tmp_path / "b.png")]) == 2
+    assert "hits must be" in capsys.readouterr().err

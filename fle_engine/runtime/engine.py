@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -172,6 +173,7 @@ class Engine:
         self._setup_split(miss_split)
         self._graph = None
         self.stats = RunStats()
+        self.step_hits = array("l")          # cached experts used per step, for the hit rate over time
         self.length = 0
         self._rings()
         if self.cuda and graphs:
@@ -209,9 +211,17 @@ class Engine:
         layers = [il for il in self.net.layouts if self.cache.slots_per_layer[il] < a.n_expert]
         if not layers:
             return
-        cpu = cpu_experts(self.host, self.net.layouts, self.cpu_impl)
+        if not share or (share == "auto" and not self.cuda):
+            return
+        try:
+            cpu = cpu_experts(self.host, self.net.layouts, self.cpu_impl)
+        except FleError as e:
+            if share != "auto":
+                raise FleError(f"--miss-split {spec}: {e}") from None
+            self.log(f"misses: all on the GPU ({e})")
+            return
         if share == "auto":
-            share = self._measure_split(cpu, layers[0]) if self.cuda else 0
+            share = self._measure_split(cpu, layers[0])
         if share:
             self.split = self.state.split = MissSplit(cpu, layers, a.n_embd, a.n_expert_used, share, self.cuda,
                                                       self.log)
@@ -301,6 +311,17 @@ class Engine:
             return None
         self.log(f"expert cache: warm start from {p}")
         return prof
+
+    def save_stats(self, path, force: bool = False) -> None:
+        """The cache's hit counts per decode step as ``fle.engine-stats/1``
+        JSON (``fle-plot hit-rate`` draws them)."""
+        from fle_quant.textio import write_json_atomic
+
+        a = self.args
+        write_json_atomic(path, {"format": "fle.engine-stats/1", "model": str(self.path),
+                                 "requests_per_step": a.n_layer * a.n_expert_used,
+                                 "cache_bytes": self.cache.budget_used,
+                                 "hits": list(self.step_hits)}, force=force)
 
     def save_profile(self) -> None:
         if self.profile_path is None:
@@ -401,7 +422,9 @@ class Engine:
         i = self.consumed % _RING
         if self.cuda:
             self._ring_ev[i].synchronize()
-        self.cache.observe(self._ring_ids[i].numpy(), self._ring_hits[i].numpy())
+        hits = self._ring_hits[i].numpy()
+        self.cache.observe(self._ring_ids[i].numpy(), hits)
+        self.step_hits.append(int(hits.sum()))
         if self.split is not None:
             self.split.check()
         self.consumed += 1

@@ -13,6 +13,7 @@ _KINDS = {
     "heatmap": "a sensitivity table's predicted error per layer and source, a selection marked",
     "predicted": "several built files' predicted summed error against measured KLD, with the rank correlation",
     "forest": "an fle-bracket result's speed changes with their 95 % intervals, per category",
+    "hit-rate": "the engine's expert cache hit rate over decode steps (fle-engine generate --stats-json)",
 }
 
 
@@ -38,7 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("forest", help=_KINDS["forest"])
     f.add_argument("bracket", help="fle-bracket --json result")
     f.add_argument("--no-categories", action="store_true", help="only each candidate's overall interval")
-    for q in (s, h, r, f):
+    t = sub.add_parser("hit-rate", help=_KINDS["hit-rate"])
+    t.add_argument("stats", help="engine statistics (fle-engine generate --stats-json)")
+    t.add_argument("--window", type=int, default=64, help="steps of the moving mean (default 64)")
+    for q in (s, h, r, f, t):
         q.add_argument("-o", "--output", required=True, help="PNG file to write")
         q.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     return p
@@ -108,6 +112,18 @@ def main(argv: list[str] | None = None) -> int:
             kl.append(res.kld)
             se.append(res.kld_se)
         what, _, _ = plot.predicted_vs_measured(names, pred, kl, se, args.output, force=args.force)
+    elif args.kind == "hit-rate":
+        from ..textio import read_json_file
+
+        declare_inputs(args.stats)
+        check_outputs([args.output], args.force)
+        if args.window < 1:
+            raise FleError(f"--window must be at least 1, got {args.window}")
+        obj, _ = read_json_file(args.stats, "engine statistics")
+        try:
+            what, _ = plot.hit_rate(obj, args.output, window=args.window, force=args.force)
+        except FleError as e:
+            raise FleError(f"{args.stats}: {e}") from None
     else:
         from ..measure.bracket import read_bracket
 

@@ -9,6 +9,8 @@
 * :func:`predicted_vs_measured` -- the summed predicted error of several
   built files' selections against their measured mean KLD, with Spearman's
   rank correlation (scipy).
+* :func:`hit_rate` -- the engine's expert cache hit rate per decode step
+  and its moving mean (``fle-engine generate --stats-json``).
 * :func:`forest` -- each candidate's change in decode speed from an
   ``fle-bracket`` result with its 95 % interval, overall and per category,
   with the reference drift in the title.
@@ -26,7 +28,8 @@ import numpy as np
 from ..errors import FleError
 from ..files import OutputSet, write_error
 
-__all__ = ["SizePoint", "size_kld", "sensitivity_heatmap", "forest", "predicted_vs_measured", "rank_correlation",
+__all__ = ["SizePoint", "size_kld", "sensitivity_heatmap", "forest", "predicted_vs_measured", "hit_rate",
+           "rank_correlation",
            "file_size"]
 
 
@@ -201,6 +204,38 @@ def forest(result: dict, out: str, *, force: bool = False, categories: bool = Tr
             f"{an['reference']['name']} with 95 % bootstrap intervals"
             + (", overall and per category" if categories else ""))
     return what, ax
+
+
+def hit_rate(stats: dict, out: str, *, window: int = 64, force: bool = False):
+    """``stats``: ``fle.engine-stats/1`` (``fle-engine generate --stats-json``):
+    the expert cache's hit rate per decode step and its moving average."""
+    plt = _pyplot()
+    if stats.get("format") != "fle.engine-stats/1":
+        raise FleError(f"not engine statistics (format fle.engine-stats/1 expected, got {stats.get('format')!r})")
+    req = stats.get("requests_per_step")
+    hits = stats.get("hits")
+    if not isinstance(req, int) or isinstance(req, bool) or req < 1:
+        raise FleError(f"requests_per_step must be a positive integer, got {req!r}")
+    if not isinstance(hits, list) or not hits or not all(
+            isinstance(h, int) and not isinstance(h, bool) and 0 <= h <= req for h in hits):
+        raise FleError(f"hits must be a non-empty list of integers from 0 to {req} (one per step)")
+    rate = np.asarray(hits, np.float64) / req
+    w = max(1, min(int(window), len(rate)))
+    avg = np.convolve(rate, np.ones(w) / w, mode="valid")
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    steps = np.arange(len(rate))
+    ax.plot(steps, rate, ".", color="0.7", markersize=2, label="per step")
+    ax.plot(steps[w - 1:], avg, color="C0", lw=2, label=f"moving mean over {w} steps")
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("expert cache hit rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"Hit rate over time: {rate.mean():.3f} overall, {rate[-w:].mean():.3f} over the last {w} steps")
+    ax.legend(loc="lower right")
+    ax.grid(True, alpha=0.3)
+    _save(fig, out, force)
+    plt.close(fig)
+    return (f"{out}: the expert cache's hit rate over {len(rate)} decode steps ({req} routed experts per step), "
+            f"per step and as a moving mean"), ax
 
 
 def rank_correlation(x, y) -> float:
