@@ -3,8 +3,8 @@
 Generation endpoints hand a :class:`~.slots.Job` to the engine's
 scheduler and relay what it releases; the others read the engine's state.
 CORS headers go on every answer (``OPTIONS`` preflights answered), and with
-an API key every endpoint but ``/health`` and ``/v1/health`` wants
-``Authorization: Bearer KEY`` (or ``X-Api-Key``).
+an API key every endpoint but ``/health``, ``/v1/health`` and the chat page
+at ``/`` wants ``Authorization: Bearer KEY`` (or ``X-Api-Key``).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ API_KEY = web.AppKey("api_key", object)
 ACTIVE = web.AppKey("active", set)
 CLOSING = web.AppKey("closing", dict)
 
-_OPEN_PATHS = {"/health", "/v1/health"}
+_OPEN_PATHS = {"/", "/health", "/v1/health"}    # the chat page loads without the key and asks for it
 
 
 @web.middleware
@@ -431,6 +431,19 @@ def _constraint(body: dict, engine: Engine, chat):
 # ---------------------------------------------------------------- the other endpoints
 
 
+_PAGE: list[bytes] = []
+
+
+async def handle_index(request: web.Request) -> web.Response:
+    """The chat page (``chat.html``, package data): one file, inline JS,
+    streaming from ``/v1/chat/completions``."""
+    if not _PAGE:
+        from importlib.resources import files
+
+        _PAGE.append(files(__package__).joinpath("chat.html").read_bytes())
+    return web.Response(body=_PAGE[0], content_type="text/html", charset="utf-8")
+
+
 async def handle_health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -566,6 +579,7 @@ def create_app(engine: Engine, api_key: str | None = None) -> web.Application:
     app.on_startup.append(startup)
     app.on_shutdown.append(shutdown)
     r = app.router
+    r.add_get("/", handle_index)
     for prefix in ("", "/v1"):
         r.add_get(prefix + "/health", handle_health)
         r.add_get(prefix + "/models", handle_models)
