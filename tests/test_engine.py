@@ -525,3 +525,15 @@ def test_cli_device_options():
     if not CUDA:
         with pytest.raises(FleError, match="no CUDA device"):
             resolve_device("cuda")
+
+
+def test_float_experts_run_on_the_reference_side(tmp_path):
+    """Experts stored as F32 have no fast kernel: the engine's reference side
+    runs them (offsets in bytes) with the reference pass's greedy tokens."""
+    if CUDA:
+        pytest.skip("the fast side refuses float experts at load, naming the layer (runtime/weights.expert_layout)")
+    path = make_model(tmp_path / "f32.gguf", "qwen3moe", seed=3)
+    want, _ = _reference_greedy(path, [1, 2, 3], 12)
+    eng = _engine(path, "auto", tmp_path)
+    assert eng.generate([1, 2, 3], 12) == want
+    eng.close()

@@ -116,7 +116,9 @@ class ExpertCache:
         return w, delta // size
 
     def reference_store(self, l: int, qtype) -> engine_ops.ExpertWords:
-        return engine_ops.ExpertWords(self.slot_view(l), self.host.view(l), engine_ops.WORDS[qtype].itemsize)
+        # types without a fast kernel (float experts) run on the reference side only: offsets in bytes
+        word = engine_ops.WORDS[qtype].itemsize if qtype in engine_ops.WORDS else 1
+        return engine_ops.ExpertWords(self.slot_view(l), self.host.view(l), word)
 
     def layer_map(self, l: int) -> Tensor:
         return self.map[self.index[l]]
