@@ -164,52 +164,39 @@ class GatedDeltaNet(nn.Module):
         self.a = a
 
     def forward(self, x: Tensor, state: L.GDNState) -> Tensor:
+        return self.forward_batch(x, [x.shape[0]], [state])
+
+    def _delta(self, qkv: Tensor, beta: Tensor, g: Tensor, state: L.GDNState) -> Tensor:
+        """One sequence's conv and delta rule from its carried state (updated
+        in place) -> the heads' outputs [T, Hv, Dv] before the norm."""
         a = self.a
-        n_tok, dk, nk, nv = x.shape[0], a.d_state, a.n_k_heads, a.n_v_heads
-        qkv = F.linear(x, self.wqkv)                                   # [T, C]
-        z = F.linear(x, self.wz).view(n_tok, nv, dk)
-        beta = torch.sigmoid(F.linear(x, self.wb))                      # [T, Hv]
-        g = F.softplus(F.linear(x, self.wa) + self.dt_bias) * self.ssm_a
+        n, dk, nk, nv = qkv.shape[0], a.d_state, a.n_k_heads, a.n_v_heads
         conv, new_conv = L.causal_conv1d(qkv, state.conv, self.conv)
         state.conv.copy_(new_conv)
         conv = F.silu(conv)
-        q = conv[:, :dk * nk].view(n_tok, nk, dk)
-        k = conv[:, dk * nk:2 * dk * nk].view(n_tok, nk, dk)
-        v = conv[:, 2 * dk * nk:].view(n_tok, nv, dk)
+        q = conv[:, :dk * nk].view(n, nk, dk)
+        k = conv[:, dk * nk:2 * dk * nk].view(n, nk, dk)
+        v = conv[:, 2 * dk * nk:].view(n, nv, dk)
         # V head j reads K head j // r (expand, not repeat_interleave, which may sync on CUDA)
-        q = L.l2_norm(q, a.eps)[:, :, None].expand(n_tok, nk, nv // nk, dk).reshape(n_tok, nv, dk)
-        k = L.l2_norm(k, a.eps)[:, :, None].expand(n_tok, nk, nv // nk, dk).reshape(n_tok, nv, dk)
-        rule = L.gdn_recurrent if n_tok == 1 else L.gdn_chunked
+        q = L.l2_norm(q, a.eps)[:, :, None].expand(n, nk, nv // nk, dk).reshape(n, nv, dk)
+        k = L.l2_norm(k, a.eps)[:, :, None].expand(n, nk, nv // nk, dk).reshape(n, nv, dk)
+        rule = L.gdn_recurrent if n == 1 else L.gdn_chunked
         o, s = rule(q, k, v, g, beta, state.ssm)
         state.ssm.copy_(s)
-        o = L.rms_norm(o.to(x.dtype), self.norm, a.eps) * F.silu(z)
-        return F.linear(o.reshape(n_tok, nv * dk), self.wout)
+        return o
 
     def forward_batch(self, x: Tensor, sizes: list[int], states: list) -> Tensor:
         """Several sequences: the projections, norm and output on all tokens
         at once, the conv and the delta rule per sequence (its carried state)."""
         a = self.a
-        n_tok, dk, nk, nv = x.shape[0], a.d_state, a.n_k_heads, a.n_v_heads
+        n_tok, dk, nv = x.shape[0], a.d_state, a.n_v_heads
         qkv_all = F.linear(x, self.wqkv)
         z = F.linear(x, self.wz).view(n_tok, nv, dk)
-        beta_all = torch.sigmoid(F.linear(x, self.wb))
+        beta_all = torch.sigmoid(F.linear(x, self.wb))                  # [T, Hv]
         g_all = F.softplus(F.linear(x, self.wa) + self.dt_bias) * self.ssm_a
-        outs = []
-        for qkv, beta, g, state in zip(qkv_all.split(sizes), beta_all.split(sizes), g_all.split(sizes), states):
-            n = qkv.shape[0]
-            conv, new_conv = L.causal_conv1d(qkv, state.conv, self.conv)
-            state.conv.copy_(new_conv)
-            conv = F.silu(conv)
-            q = conv[:, :dk * nk].view(n, nk, dk)
-            k = conv[:, dk * nk:2 * dk * nk].view(n, nk, dk)
-            v = conv[:, 2 * dk * nk:].view(n, nv, dk)
-            q = L.l2_norm(q, a.eps)[:, :, None].expand(n, nk, nv // nk, dk).reshape(n, nv, dk)
-            k = L.l2_norm(k, a.eps)[:, :, None].expand(n, nk, nv // nk, dk).reshape(n, nv, dk)
-            rule = L.gdn_recurrent if n == 1 else L.gdn_chunked
-            o, s = rule(q, k, v, g, beta, state.ssm)
-            state.ssm.copy_(s)
-            outs.append(o.to(x.dtype))
-        o = L.rms_norm(torch.cat(outs), self.norm, a.eps) * F.silu(z)
+        outs = [self._delta(qkv, beta, g, state).to(x.dtype)
+                for qkv, beta, g, state in zip(qkv_all.split(sizes), beta_all.split(sizes), g_all.split(sizes), states)]
+        o = L.rms_norm(outs[0] if len(outs) == 1 else torch.cat(outs), self.norm, a.eps) * F.silu(z)
         return F.linear(o.reshape(n_tok, nv * dk), self.wout)
 
 
