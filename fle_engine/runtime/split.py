@@ -41,10 +41,9 @@ from numba.extending import intrinsic
 
 from fle_quant.errors import FleError
 
-from ..kernels.reference import dequantize_weights
 from .weights import PageLocked
 
-__all__ = ["SHARE_ONE", "cpu_count", "parse_split", "MissSplit", "ReferenceCpuExperts", "CpuExperts", "cpu_experts"]
+__all__ = ["SHARE_ONE", "cpu_count", "parse_split", "MissSplit", "CpuExperts", "cpu_experts"]
 
 SHARE_ONE = 256
 
@@ -140,39 +139,11 @@ def _signal(done, il, serial):
 # the CPU's experts
 
 
-class ReferenceCpuExperts:
-    """The CPU side's expert forward, the slow obviously-right form: the
-    expert's rows decoded by fle_quant's dequantizers, float32 products.
-    ``ffn(il, experts, weights, x, out)`` adds ``sum_k w_k * down(silu(gate
-    x) * up x)`` into ``out``."""
-
-    name = "reference"
-
-    def __init__(self, host, layouts):
-        self.host, self.layouts = host, layouts
-
-    def ffn(self, il: int, experts, weights, x: np.ndarray, out: np.ndarray) -> None:
-        lay = self.layouts[il]
-        view = self.host.view(il)
-        xt = torch.from_numpy(np.ascontiguousarray(x, np.float32))
-        for e, w in zip(experts, weights):
-            raw = view[int(e)]
-            gu = dequantize_weights(raw[:2 * lay.n_ff * lay.gu_row_bytes].reshape(2 * lay.n_ff, lay.gu_row_bytes),
-                                    lay.gu_type)
-            v = gu @ xt
-            h = torch.nn.functional.silu(v[:lay.n_ff]) * v[lay.n_ff:]
-            d0 = lay.down_offset
-            dn = dequantize_weights(raw[d0:d0 + lay.n_embd * lay.down_row_bytes].reshape(lay.n_embd,
-                                                                                         lay.down_row_bytes),
-                                    lay.down_type)
-            out += (float(w) * (dn @ h)).numpy()
-
-
 class CpuExperts:
     """The CPU side's expert forward with the vectorised CPU kernels
     (:mod:`fle_engine.kernels.cpu_experts`: ggml's dot products where
-    llama-cpp-python's library is present, FLE's numba kernels otherwise),
-    reading the host expert buffer in place."""
+    llama-cpp-python's library is present, FLE's numba kernels otherwise, or
+    the table's plain reference), reading the host expert buffer in place."""
 
     def __init__(self, host, layouts, impl: str = "auto"):
         from ..kernels import cpu_experts as ce
@@ -207,9 +178,8 @@ class CpuExperts:
 
 
 def cpu_experts(host, layouts, impl: str = "auto"):
-    """The CPU expert forward for ``impl``: "reference" or a kernel backend."""
-    if impl == "reference":
-        return ReferenceCpuExperts(host, layouts)
+    """The CPU expert forward for ``impl`` (a backend of the CPU kernels'
+    dispatch table: "auto", "ggml", "numba" or "reference")."""
     return CpuExperts(host, layouts, impl)
 
 
