@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import time
-from array import array
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -173,7 +173,8 @@ class Engine:
         self._setup_split(miss_split)
         self._graph = None
         self.stats = RunStats()
-        self.step_hits = array("l")          # cached experts used per step, for the hit rate over time
+        # cached experts used per step, for the hit rate over time (the last 2^20 steps: bounded in a server)
+        self.step_hits = deque(maxlen=1 << 20)
         self.length = 0
         self._rings()
         if self.cuda and graphs:
