@@ -18,6 +18,11 @@ Backends, timed in the same run on the same buffer:
   its graph scheduling); it is absent when llama-cpp-python is not
   installed.
 
+- team-numba, team-ggml: the same kernels in the engine's persistent CPU
+  team (``kernels/cpu_experts/team.py``: spinning threads fed through a
+  mailbox, one token's ``--topk`` experts per job, the poster waiting for
+  each answer as the GPU does), as the engine runs its CPU misses.
+
 The ratio is numba / ggml (above 1: FLE is faster). Blocks are random bytes
 with typical fp16 scales: every byte pattern is a valid block of these
 formats and costs the kernels what real weights cost.
@@ -52,8 +57,13 @@ def fill_experts(buf: np.ndarray, lay, rng: np.random.Generator) -> None:
             blocks[:, :, off:off + 2] = scale.view(np.uint8).reshape(blocks.shape[:2] + (2,))
 
 
-def time_backend(ce, buf, lay, impl: str, n_tok: int, topk: int, seconds: float, rng) -> dict:
+def time_backend(ce, buf, lay, impl: str, n_tok: int, topk: int, seconds: float, rng, threads: int = 1) -> dict:
     n_exp = buf.shape[0]
+    if impl.startswith("team-"):
+        from fle_engine.kernels.cpu_experts.team import measure
+
+        bw = measure(buf.reshape(-1), 0, lay, impl[5:], threads, topk, n_exp, topk, seconds)
+        return {"gbps": bw / 1e9, "us_per_call": topk * lay.expert_bytes / bw * 1e6, "calls": None}
     x = rng.standard_normal((n_tok, lay.n_embd)).astype(np.float32)
     w = np.full((n_tok, topk), 1.0 / topk, np.float32)
     out = np.empty((n_tok, lay.n_embd), np.float32)
@@ -88,7 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-embd", type=int, default=2048)
     ap.add_argument("--n-ff", type=int, default=768)
     ap.add_argument("--seconds", type=float, default=2.0, help="timed seconds per type and backend")
-    ap.add_argument("--backends", default="numba,ggml", help="comma-separated: numba, ggml")
+    ap.add_argument("--backends", default="numba,ggml,team-numba,team-ggml",
+                    help="comma-separated: numba, ggml, team-numba, team-ggml")
     ap.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
     args = ap.parse_args(argv)
 
@@ -99,16 +110,19 @@ def main(argv=None) -> int:
 
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if "ggml" in wanted and not ggml_cpu.available():
-        print(f"# ggml backend skipped: {ggml_cpu.unavailable_reason()}", file=sys.stderr)
-        wanted.remove("ggml")
+    if not ggml_cpu.available():
+        for b in ("ggml", "team-ggml"):
+            if b in wanted:
+                print(f"# {b} backend skipped: {ggml_cpu.unavailable_reason()}", file=sys.stderr)
+                wanted.remove(b)
+    both = "numba" in wanted and "ggml" in wanted
     rng = np.random.default_rng(0)
     rows = []
     print(f"# {numba.get_num_threads()} threads, {args.gb:g} GB of experts per type, {args.tokens} token(s) x "
           f"top-{args.topk}, experts {args.n_ff} x {args.n_embd}")
     print("| type | " + " | ".join(f"{b} GB/s | {b} us/call" for b in wanted)
-          + (" | numba / ggml |" if len(wanted) == 2 else " |"))
-    print("|---" * (1 + 2 * len(wanted) + (len(wanted) == 2)) + "|")
+          + (" | numba / ggml |" if both else " |"))
+    print("|---" * (1 + 2 * len(wanted) + both) + "|")
     for name in args.types.split(","):
         qt = parse_type(name.strip())
         lay = ce.Geometry.of(args.n_ff, args.n_embd, qt, qt)
@@ -117,9 +131,9 @@ def main(argv=None) -> int:
         fill_experts(buf, lay, rng)
         res = {"type": qt.name, "experts": n_exp, "buffer_gb": buf.nbytes / 1e9}
         for b in wanted:
-            res[b] = time_backend(ce, buf, lay, b, args.tokens, args.topk, args.seconds, rng)
+            res[b] = time_backend(ce, buf, lay, b, args.tokens, args.topk, args.seconds, rng, args.threads)
         line = f"| {qt.name} | " + " | ".join(f"{res[b]['gbps']:.2f} | {res[b]['us_per_call']:.0f}" for b in wanted)
-        if len(wanted) == 2:
+        if both:
             res["ratio"] = res["numba"]["gbps"] / res["ggml"]["gbps"]
             line += f" | {res['ratio']:.2f} |"
         else:

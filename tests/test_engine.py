@@ -161,6 +161,8 @@ def test_misses_on_the_cpu_equal_misses_on_the_gpu(model_file, next_file, refere
     assert eng.generate(prompt, n) == want
     assert eng.split.cpu_experts > 0                  # the CPU did compute misses
     assert eng.split.cpu.name in ("ggml", "numba")   # with the vectorised kernels
+    if CUDA:                                          # in the persistent CPU team, fed by the GPU's posts
+        assert eng.split.team is not None and eng.split.team.experts == eng.split.cpu_experts
     st = eng.cache.stats
     assert 0 < st.hit_rate < 1
     eng.close()

@@ -133,6 +133,25 @@ def test_greedy_tokens_equal_reference(model_file, reference, tmp_path, cache):
     eng.close()
 
 
+@pytest.mark.parametrize("split", ["cpu", "0.5"])
+def test_misses_on_the_cpu_equal_misses_on_the_gpu(model_file, reference, split):
+    """runtime.split on qwen4exp: the CPU computes all or half of each
+    layer's misses (the CPU team on CUDA, the same rule synchronously
+    without); the greedy tokens equal the reference's, as with every miss
+    on the GPU side."""
+    ref, _ = reference
+    per, _ = _expert_bytes(model_file)
+    n = N_TOKENS if CUDA else 48
+    eng = _engine(model_file, 2 * per, miss_split=split)
+    assert eng.split is not None and eng.split.share == {"cpu": 256, "0.5": 128}[split]
+    assert eng.generate(PROMPT, n) == ref[:n]
+    assert eng.split.cpu_experts > 0
+    assert eng.split.cpu.name in ("ggml", "numba")
+    if CUDA:
+        assert eng.split.team is not None and eng.split.team.experts == eng.split.cpu_experts
+    eng.close()
+
+
 def test_logits_within_kld_of_reference(model_file, reference):
     ref, ref_logits = reference
     if CUDA:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -259,30 +258,21 @@ class Engine:
             gpu_once()
         torch.cuda.synchronize(dev)
         gpu = reps * k * eb / (time.perf_counter() - t0)
-        xs = x.view(-1).cpu().numpy()
-        out = np.zeros(a.n_embd, np.float32)
-        # calls as the worker makes them: its threads, about 3/8 of a token's experts at a time, random experts
+        # calls as the worker gets them: about 3/8 of a token's experts at a time, random experts
         kc = max(1, k * 3 // 8)
-        w_h = np.full(kc, 1.0 / kc, np.float32)
-        box = {}
+        if cpu.impl in ("ggml", "numba"):
+            from ..kernels.cpu_experts.team import measure
 
-        def cpu_side():
-            import numba
-
-            numba.set_num_threads(split_threads())
-            cpu.ffn(il, rng.choice(a.n_expert, kc, replace=False), w_h, xs, out)
+            cpu_bw = measure(self.host.buf, self.host.offsets[il], lay, cpu.impl, split_threads(), k, a.n_expert, kc)
+        else:
+            xs = x.view(-1).cpu().numpy()
+            out = np.zeros(a.n_embd, np.float32)
+            w_h = np.full(kc, 1.0 / kc, np.float32)
             t0, reps = time.perf_counter(), 0
             while reps < 5 or time.perf_counter() - t0 < 0.2:
                 cpu.ffn(il, rng.choice(a.n_expert, kc, replace=False), w_h, xs, out)
                 reps += 1
-                if time.perf_counter() - t0 > 2.0:
-                    break
-            box["bw"] = reps * kc * eb / (time.perf_counter() - t0)
-
-        th = threading.Thread(target=cpu_side)
-        th.start()
-        th.join()
-        cpu_bw = box["bw"]
+            cpu_bw = reps * kc * eb / (time.perf_counter() - t0)
         share = int(round(SHARE_ONE * cpu_bw / (cpu_bw + gpu)))
         share = share if share >= SHARE_ONE // 32 else 0
         self.log(f"misses measured: GPU reads {gpu / 1e9:.1f} GB/s over PCIe, the CPU ({cpu.name} kernels) "

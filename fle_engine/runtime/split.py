@@ -35,12 +35,11 @@ import time
 
 import numpy as np
 import torch
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
 
 from fle_quant.errors import FleError
 
+from ..kernels.cpu_experts.team import Team, load_acquire as _load_acquire, store_release as _store_release
 from .weights import PageLocked
 
 __all__ = ["SHARE_ONE", "cpu_count", "parse_split", "MissSplit", "CpuExperts", "cpu_experts"]
@@ -92,28 +91,8 @@ def parse_split(text) -> "str | int":
 
 
 # ---------------------------------------------------------------------------
-# ordered loads and stores on shared host memory (numba)
-
-
-@intrinsic
-def _load_acquire(typingctx, arr, idx):
-    def codegen(context, builder, sig, args):
-        aryty = sig.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
-        return builder.load_atomic(ptr, "acquire", 8)
-    return arr.dtype(arr, idx), codegen
-
-
-@intrinsic
-def _store_release(typingctx, arr, idx, val):
-    def codegen(context, builder, sig, args):
-        aryty = sig.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
-        builder.store_atomic(args[2], ptr, "release", 8)
-        return context.get_dummy_value()
-    return types.void(arr, idx, val), codegen
+# the reference kernels' worker: one Python thread (the vectorised kernels run in a team of their own,
+# kernels.cpu_experts.team)
 
 
 @njit(nogil=True, cache=True)
@@ -223,14 +202,30 @@ class MissSplit(PageLocked):
         self.boxes = self.buf[o:o + L * self.box_words].reshape(L, self.box_words)
         self._expect = 1
         self.threads = cpu_threads()
-        self.busy_seconds = 0.0
-        self.cpu_experts = 0
-        self._thread = None
+        self._busy, self._experts = 0.0, 0
+        self._thread = self.team = None
         if cuda:
-            _wait_flag(self.flags, 0, 0, self.stop)      # compile before the first step
-            _signal(self.done, 0, 0)
-            self._thread = threading.Thread(target=self._run, name="fle-cpu-misses", daemon=True)
-            self._thread.start()
+            if cpu.impl in ("ggml", "numba"):
+                host = cpu.host
+                self.team = Team(host.buf, [host.offsets[il] for il in self.layers],
+                                 [cpu.layouts[il] for il in self.layers], cpu.impl, self.threads, self.flags,
+                                 self.done, self.boxes, self.results, self.stop, self.n_used)
+                self.team.start()
+            else:
+                _wait_flag(self.flags, 0, 0, self.stop)      # compile before the first step
+                _signal(self.done, 0, 0)
+                self._thread = threading.Thread(target=self._run, name="fle-cpu-misses", daemon=True)
+                self._thread.start()
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds the CPU spent on its experts (from a layer's post to its done)."""
+        return self._busy + (self.team.busy_seconds if self.team is not None else 0.0)
+
+    @property
+    def cpu_experts(self) -> int:
+        """Experts the CPU computed."""
+        return self._experts + (self.team.experts if self.team is not None else 0)
 
     # device-side addresses -----------------------------------------------------------
     def flag_ptr(self, il):
@@ -260,8 +255,8 @@ class MissSplit(PageLocked):
         out = self.results[i]
         out[:] = 0.0
         self.cpu.ffn(il, ids[mine], wts[mine], x, out)
-        self.cpu_experts += len(mine)
-        self.busy_seconds += time.perf_counter() - t0
+        self._experts += len(mine)
+        self._busy += time.perf_counter() - t0
 
     def _run(self) -> None:
         try:
@@ -288,6 +283,8 @@ class MissSplit(PageLocked):
 
     def check(self) -> None:
         """Raise when the worker failed or a GPU wait timed out."""
+        if self.team is not None and not self.team.alive() and int(self.stop[0]) == 0:
+            self.err[0] = 2
         if int(self.err[0]) != 0:
             why = getattr(self, "failure", None)
             raise FleError("the CPU-miss worker " + (f"failed: {why}" if why is not None else
@@ -299,4 +296,7 @@ class MissSplit(PageLocked):
         if getattr(self, "_thread", None) is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        if getattr(self, "team", None) is not None:
+            self.team.join()
+            self.team = None
         super().close()

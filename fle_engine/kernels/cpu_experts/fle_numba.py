@@ -35,7 +35,7 @@ from .acts import quantize_row
 from .simd import dot16_s8, dot32_hi4, dot32_lo4, dot32_s8, dot_iq4
 from .plan import plan, silu_mul_row, weighted_sum
 
-__all__ = ["CODES", "forward", "matvec"]
+__all__ = ["CODES", "forward", "matvec", "row", "scratch", "dot_k", "BLOCK_BYTES"]
 
 _F32 = np.float32
 
@@ -287,6 +287,18 @@ def _matvec(code, rows, nb, xq, xd, xs, out):
         _row(code, rows[r], nb, xq, xd, xs, arow, nt, acc, w64, sc, mn)
         for k in range(nt):
             out[k, r] = acc[k]
+
+
+# one row and its scratch, for kernels that drive the rows themselves (.team)
+row = _row
+scratch = _scratch
+BLOCK_BYTES = _BLOCK_BYTES
+
+
+@njit(cache=True, inline="always")
+def dot_k(code):
+    """True when type ``code``'s activations are Q8_K (False: Q8_0)."""
+    return not (code == _Q8_0 or code == _IQ4_NL or code == _Q2_0)
 
 
 def matvec(rows: np.ndarray, qtype: GGMLType, acts) -> np.ndarray:
