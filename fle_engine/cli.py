@@ -35,11 +35,11 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-profile", default="auto", metavar="FILE",
                    help="engine: expert usage profile, loaded at start and saved every 600 s and at exit; "
                         "auto (default): ~/.cache/fle/profiles/<model fingerprint>.json; none: no profile")
-    p.add_argument("--miss-split", default="gpu", metavar="auto|cpu|gpu|FRACTION",
-                   help="engine: who computes the cache misses: the GPU reading host memory over PCIe (gpu, the "
-                        "default), the CPU (cpu), both at once with FRACTION of them on the CPU, or auto: the share "
-                        "that the two bandwidths, measured at start, give (faster at near-uniform routing, slower "
-                        "at skewed routing on the GPU machine: docs/benchmarks.md)")
+    p.add_argument("--miss-split", default="auto", metavar="auto|cpu|gpu|FRACTION",
+                   help="engine: who computes the cache misses: auto (default): the GPU reading host memory over "
+                        "PCIe and the CPU at once, in the share that the two bandwidths measured at start give; "
+                        "gpu: the GPU alone; cpu: the CPU alone; FRACTION: that fraction on the CPU "
+                        "(docs/benchmarks.md)")
     p.add_argument("--cpu-kernels", default="auto", choices=("auto", "ggml", "numba", "reference"),
                    help="engine: CPU expert kernels for the CPU's misses; auto (default): ggml's (from "
                         "llama-cpp-python) when present, else FLE's numba kernels")
