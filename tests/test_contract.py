@@ -125,6 +125,10 @@ COMMANDS = [
         json=["sel"], out="png"),
     Cmd("plot-forest", "fle_quant.cli.plot_cli", ["forest", "{bracket}", "-o", "{out}"], ["bracket"],
         json=["bracket"], out="png"),
+    # its inputs are checked before any forward pass or server (the runs: tests/test_measure_compare.py)
+    Cmd("compare", "fle_quant.cli.compare_cli", ["{model}", "b={donor}", "--reference", "{model}", "--text", "{text}",
+                                                 "--budget", "1GiB", "--out", "{outdir}/cmp"],
+        ["model", "donor", "text"], torch=True),
 ]
 WRITERS = [c for c in COMMANDS if c.out]
 BY_NAME = {c.name: c for c in COMMANDS}
