@@ -110,10 +110,15 @@ def rows(files: list[dict], klds: dict[str, dict[str, dict]], brackets: list[dic
     return out
 
 
+def _num(x: float) -> str:
+    """Four decimals, as the report writes KLD; small values with their digits."""
+    return f"{x:.4f}" if abs(x) >= 0.01 or x == 0 else f"{x:.3g}"
+
+
 def _kld_cell(s: dict | None) -> str:
     if not s:
         return ""
-    return f"{s['kld_mean']:.4f} ± {s['kld_unc']:.4f}"
+    return f"{_num(s['kld_mean'])} ± {_num(s['kld_unc'])}"
 
 
 def _top_cell(s: dict | None) -> str:

@@ -284,7 +284,7 @@ def comparison(result: dict, out: str, *, force: bool = False):
     if not rows:
         raise FleError("the comparison has no files to plot")
     unit, scale = ("GB", 1e9) if max(r["size_bytes"] for r in rows) >= 1e9 else ("MB", 1e6)
-    fig, (ax_k, ax_s) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, (ax_k, ax_s) = plt.subplots(1, 2, figsize=(11, 4.5), layout="constrained")
     for j, t in enumerate(texts):
         pts = [(r["size_bytes"] / scale, r["kld"][t]["kld_mean"], r["kld"][t]["kld_unc"]) for r in rows
                if t in r["kld"]]
