@@ -135,3 +135,56 @@ def test_compare_plot_axes(setup, tmp_path):
     assert ak.get_xlabel() == "file size (MB)" and ak.get_ylabel() == "mean KLD vs base"
     assert asp.get_ylabel() == "decode speed change vs a (%)" and "17GiB" in asp.get_title()
     assert "2 files by size" in what and (tmp_path / "c.png").exists()
+
+
+def _passes(names, speeds):
+    from fle_quant.measure.bracket import standard_prompts
+
+    ps = standard_prompts()[:4]
+    return [{"name": n, "url": "http://127.0.0.1:1", "pass": k + 1, "memory_pressure_avg10": None,
+             "requests": [{"id": p.id, "category": p.category, "ok": True, "finish_reason": "stop",
+                           "completion_tokens": 10, "wall_s": 1.0, "speed": float(v), "speed_source": "timings"}
+                          for p, v in zip(ps, s)]} for k, (n, s) in enumerate(zip(names, speeds))], ps
+
+
+def test_rows_over_several_brackets():
+    """Two brackets against one reference: each candidate's change comes from
+    its own bracket, the reference has a speed per bracket."""
+    from fle_quant.measure.bracket import analyse, build_result
+
+    results = []
+    for names, speeds in ((["ref", "a"], [[10, 11, 12, 13], [12, 13, 14, 15], [10, 11, 12, 13]]),
+                          (["ref", "b"], [[20, 20, 20, 20], [18, 18, 18, 18], [20.5, 20.5, 20.5, 20.5]])):
+        passes, ps = _passes([names[0], names[1], names[0]], speeds)
+        results.append(build_result(passes, {}, ps, analyse(passes, n_boot=200)))
+    results.append({"passes": [], "analysis": None, "error": "only 1 prompt(s) were answered by every arm"})
+    files = [{"name": n, "path": f"{n}.gguf", "size_bytes": s} for n, s in (("ref", 3e9), ("a", 2e9), ("b", 1e9))]
+    kl = {"ref": {"E": {"kld_mean": 0.09, "kld_unc": 0.002, "same_top": 0.91, "same_top_unc": 0.003}}}
+    rows = compare.rows(files, kl, results)
+    assert [len(r["speed"]) for r in rows] == [2, 1, 1]
+    assert rows[1]["speed"][0]["change"] == pytest.approx(54 / 46 - 1) and rows[1]["speed"][0]["bracket"] == 1
+    assert rows[2]["speed"][0]["change"] == pytest.approx(18 / 20.25 - 1) and rows[2]["speed"][0]["bracket"] == 2
+    md = compare.markdown({"texts": ["E"], "rows": rows, "brackets": results,
+                           "settings": {"kld_base": "BF16.gguf", "budget": "17035MiB", "n_prompts": 4}})
+    lines = md.splitlines()
+    assert lines[2].startswith("| ref | 3.00 GB | 0.0900 ± 0.0020 | 91.00 ± 0.30 | 11.50 | reference |  | B1 | yes |")
+    assert sum(ln.startswith("| ref |") for ln in lines) == 2
+    assert "| a | 2.00 GB |  |  | 13.50 | +17.39 % |" in md
+    assert "Bracket B3: no analysis (only 1 prompt(s)" in md and "Bracket B2: reference drift +2.50 % (within" in md
+
+
+def test_existing_base_files_and_kld_only(setup, tmp_path, capsys):
+    """--base takes fle-kld base files (or llama-perplexity's); --no-speed
+    starts no server."""
+    from fle_quant.cli.kld_cli import main as kld_main
+
+    base = tmp_path / "E.kld"
+    assert kld_main(["base", str(setup["ref"]), "--text", str(setup["E"]), "-c", "64", "--chunks", "2",
+                     "-o", str(base)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "k"
+    assert main([str(setup["q8"]), "--base", str(base), "--budget", "1GiB", "--no-speed", "--out", str(out)]) == 0
+    r = json.loads((out / "compare.json").read_text())
+    assert r["texts"] == ["E"] and r["brackets"] == [] and r["rows"][0]["speed"] == []
+    assert r["rows"][0]["kld"]["E"]["kld_mean"] > 0 and not list(out.glob("bracket-*"))
+    assert "no speed" in (out / "compare.md").read_text()

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise FleError(f"{out}: exists and is not a folder; give --out a folder for the results")
-    text_names = [n for n, _ in texts] or [n for n, _ in bases]
+    text_names = [] if args.no_kld else [n for n, _ in texts] or [n for n, _ in bases]
     base_out = {n: out / f"base.{n}.kld" for n, _ in texts}
     kld_out = {(f, t): out / f"kld.{f}.{t}.txt" for f, _ in files for t in text_names} if not args.no_kld else {}
     bracket_out = [out / f"bracket-B{k}.json" for k in range(1, len(group) + 1)] if not args.no_speed else []

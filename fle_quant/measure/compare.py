@@ -110,15 +110,14 @@ def rows(files: list[dict], klds: dict[str, dict[str, dict]], brackets: list[dic
     return out
 
 
-def _num(x: float) -> str:
-    """Four decimals, as the report writes KLD; small values with their digits."""
-    return f"{x:.4f}" if abs(x) >= 0.01 or x == 0 else f"{x:.3g}"
-
-
 def _kld_cell(s: dict | None) -> str:
+    """Four decimals, as the report writes KLD; values below 0.01 with their digits."""
     if not s:
         return ""
-    return f"{_num(s['kld_mean'])} ± {_num(s['kld_unc'])}"
+    m, u = s["kld_mean"], s["kld_unc"]
+    if abs(m) >= 0.01 or m == 0:
+        return f"{m:.4f} ± {u:.4f}"
+    return f"{m:.3g} ± {u:.2g}"
 
 
 def _top_cell(s: dict | None) -> str:
