@@ -7,18 +7,14 @@ steps, the card, SHA-256 checks and --offline."""
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import pytest
 

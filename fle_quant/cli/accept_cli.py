@@ -52,11 +52,9 @@ def _texts_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "texts":
-        from ..measure.texts import build
+        from ..measure.texts import REPORT_MANIFEST, build
 
         targs = _texts_parser().parse_args(argv[1:])
-        from ..measure.texts import REPORT_MANIFEST
-
         if targs.manifest != REPORT_MANIFEST:
             declare_inputs(targs.manifest)
         check_outputs([targs.record], targs.force)

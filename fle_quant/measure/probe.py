@@ -37,7 +37,8 @@ from .client import chat
 from .stats import N_BOOT, mcnemar_exact, paired_bootstrap_diff
 
 __all__ = ["Question", "normalize", "is_abstention", "is_correct", "parse_questions", "load_questions",
-           "standard_questions", "parse_hub_spec", "download_questions", "question_seed", "run_probe", "score", "compare", "SYSTEM_PROMPT", "SAMPLING"]
+           "standard_questions", "parse_hub_spec", "download_questions", "question_seed", "run_probe", "score",
+           "compare", "SYSTEM_PROMPT", "SAMPLING"]
 
 FORMAT = "fle-probe/1"
 SYSTEM_PROMPT = ("Answer the question with the answer only: a name, number, date or a few words, with no "
