@@ -125,6 +125,12 @@ COMMANDS = [
         json=["sel"], out="png"),
     Cmd("plot-forest", "fle_quant.cli.plot_cli", ["forest", "{bracket}", "-o", "{out}"], ["bracket"],
         json=["bracket"], out="png"),
+    Cmd("accept-texts", "fle_quant.cli.accept_cli", ["texts", "-o", "{outdir}/texts", "--manifest", "{manifest}",
+                                                     "--offline"], ["manifest"], json=["manifest"]),
+    # its inputs are checked before any forward pass or server (the runs: tests/test_measure_compare.py)
+    Cmd("compare", "fle_quant.cli.compare_cli", ["{model}", "b={donor}", "--reference", "{model}", "--text", "{text}",
+                                                 "--budget", "1GiB", "--out", "{outdir}/cmp"],
+        ["model", "donor", "text"], torch=True),
 ]
 WRITERS = [c for c in COMMANDS if c.out]
 BY_NAME = {c.name: c for c in COMMANDS}
@@ -196,6 +202,9 @@ def measure_inputs(d: Path, files: dict[str, str]) -> None:
             for q, g in zip(probe.standard_questions()[:4], ("correct", "wrong", "abstain", "correct"))]
     (d / "probe.json").write_text(json.dumps(probe.result("a", "http://127.0.0.1:1", "en", "standard", recs)))
     files["probe"] = str(d / "probe.json")
+    (d / "manifest.json").write_text(json.dumps({"format": "fle.texts/1", "texts": [
+        {"name": "a", "url": "http://127.0.0.1:1/a", "sha256": "0" * 64}]}))
+    files["manifest"] = str(d / "manifest.json")
 
 
 def sha(path) -> str:

@@ -159,8 +159,99 @@ def test_texts_rebuilt(tmp_path, capsys):
         missing.write_text(json.dumps({"texts": [{"name": "w", "url": url + "/nope", "sha256": "0" * 64}]}))
         assert main(["texts", "-o", str(tmp_path / "t3"), "--manifest", str(missing)]) == 2
         assert "HTTP 404" in capsys.readouterr().err
-        assert main(["texts", "-o", str(out)]) == 2  # exists, no --force
+        assert main(["texts", "-o", str(out), "--manifest", str(good)]) == 2  # exists, no --force
         assert "exists" in capsys.readouterr().err
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_report_texts_recorded_then_checked(tmp_path, capsys):
+    """The project's manifest of the report's texts with its URLs pointed at
+    a loopback server standing in for Wikipedia and GitHub: unpinned texts
+    refused without --record, recorded once, then rebuilt and checked; a
+    changed source is refused and writes nothing; --offline writes E only."""
+    import hashlib
+    import platform
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import urlparse
+
+    from fle_quant.measure.texts import python_reference, report_manifest
+
+    obj, texts = report_manifest()
+    assert len([t for t in texts if t.get("part_of") == "W"]) == 4
+    assert len([t for t in texts if t.get("part_of") == "K"]) == 7
+    assert all(t["sha256"] is None and t["note"] for t in texts if t.get("url"))  # the report gives no hash
+    assert all("4472af456106" in t["url"] for t in texts if t.get("part_of") == "K")
+    pages = {}
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            body = pages.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{srv.server_address[1]}"
+        for t in texts:
+            if t.get("url"):
+                u = urlparse(t["url"])
+                path = u.path + (f"?{u.query}" if u.query else "")
+                t["url"] = base + path
+                pages[path] = f"{t['name']} text\n".encode() * 20
+        m = tmp_path / "report.json"
+        m.write_text(json.dumps(obj))
+        out = tmp_path / "t"
+        assert main(["texts", "-o", str(out), "--manifest", str(m)]) == 2
+        err = capsys.readouterr().err
+        assert "no SHA-256" in err and "--record" in err and err.count("\n") == 1 and not out.exists()
+        rec = tmp_path / "recorded.json"
+        assert main(["texts", "-o", str(out), "--manifest", str(m), "--record", str(rec)]) == 0
+        capsys.readouterr()
+        r = json.loads(rec.read_text())
+        by = {t["name"]: t for t in r["texts"]}
+        for t in texts:
+            if t.get("url"):
+                assert by[t["name"]]["sha256"] == hashlib.sha256(pages[urlparse(t["url"]).path + (
+                    "?" + urlparse(t["url"]).query if urlparse(t["url"]).query else "")]).hexdigest()
+        py = python_reference()
+        assert by["E"]["sha256_by_python"][platform.python_version()] == hashlib.sha256(py).hexdigest()
+        assert (out / "E.txt").read_bytes() == py
+        w_parts = [(out / f"{t['name']}.txt").read_bytes() for t in texts if t.get("part_of") == "W"]
+        assert (out / "W.txt").read_bytes() == b"\n\n".join(w_parts) and (out / "K.txt").exists()
+        # rebuilt from the recorded manifest: checked
+        assert main(["texts", "-o", str(tmp_path / "t2"), "--manifest", str(rec)]) == 0
+        capsys.readouterr()
+        assert (tmp_path / "t2" / "K.txt").read_bytes() == (out / "K.txt").read_bytes()
+        # an article edited since it was recorded
+        key = next(k for k in pages if "Gleitkommazahl" in k)
+        pages[key] = b"edited\n"
+        assert main(["texts", "-o", str(tmp_path / "t3"), "--manifest", str(rec)]) == 2
+        err = capsys.readouterr().err
+        assert "W-gleitkommazahl" in err and "nothing was written" in err and not (tmp_path / "t3").exists()
+        # offline: the built-in text only
+        assert main(["texts", "-o", str(tmp_path / "t4"), "--offline"]) == 0
+        said = capsys.readouterr().out
+        assert sorted(p.name for p in (tmp_path / "t4").iterdir()) == ["E.txt"] and "skipped K-" in said
+        # bad manifests: one line naming the field
+        for bad, word in (({"texts": [{"name": "a", "url": "ftp://x", "sha256": None}]}, "texts[0].url"),
+                          ({"texts": [{"name": "a", "url": base + "/a", "colour": 1}]}, "'colour'"),
+                          ({"texts": [{"name": "a", "builtin": "other"}]}, "texts[0].builtin"),
+                          ({"texts": [{"name": "W", "url": base + "/a"}, {"name": "b", "url": base + "/b",
+                                                                         "part_of": "W"}]}, "part_of")):
+            f = tmp_path / "bad.json"
+            f.write_text(json.dumps(bad))
+            assert main(["texts", "-o", str(tmp_path / "t5"), "--manifest", str(f)]) == 2
+            err = capsys.readouterr().err
+            assert word in err and err.count("\n") == 1, err
     finally:
         srv.shutdown()
         srv.server_close()

@@ -173,3 +173,58 @@ def test_probe_against_fle_engine_serve(tmp_path, capsys):
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+def test_questions_from_the_hub(tmp_path, capsys, monkeypatch):
+    """MKQA-layout questions (gzip, as MKQA ships them) from a dataset on a
+    loopback stand-in for the Hub, through huggingface_hub's own download;
+    then from its cache with the Hub offline; bad names and missing files
+    one line each."""
+    import gzip
+
+    import huggingface_hub.constants as c
+    from hubstandin import COMMIT, Hub  # this folder's stand-in for the Hugging Face Hub
+
+    qs = probe.standard_questions("de")[:4]
+    raw = (probe.resources.files(probe.__package__).joinpath("data/questions.jsonl").read_bytes())
+    gz = tmp_path / "mkqa.jsonl.gz"
+    gz.write_bytes(gzip.compress(raw))
+    assert [q.id for q in probe.load_questions(str(gz), "de")[:4]] == [q.id for q in qs]
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    srv.replies, srv.bodies = {qs[0].query: qs[0].aliases[0]}, []
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        with Hub() as hub:
+            monkeypatch.setattr(c, "ENDPOINT", hub.url)
+            monkeypatch.setattr(c, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+            hub.files["datasets/standin/mkqa"] = {"data/mkqa.jsonl.gz": gz}
+            spec = "hf://datasets/standin/mkqa@main/data/mkqa.jsonl.gz"
+            argv = ["--arm", "a", url, "--questions", spec, "--lang", "de", "--limit", "4", "--json",
+                    str(tmp_path / "p")]
+            assert main(argv) == 0
+            out = capsys.readouterr().out
+            assert f"questions: hf://datasets/standin/mkqa@{COMMIT}/data/mkqa.jsonl.gz" in out
+            r = json.loads((tmp_path / "p.a.json").read_text())
+            assert r["questions"] == f"hf://datasets/standin/mkqa@{COMMIT}/data/mkqa.jsonl.gz"
+            assert [x["id"] for x in r["records"]] == [q.id for q in qs] and r["score"]["correct"] == 1
+            assert "data/mkqa.jsonl.gz" in hub.gets
+            for bad, word in ((spec.replace("data/", "nope/"), "has no file 'nope/mkqa.jsonl.gz'"),
+                              ("hf://datasets/standin/none/x.jsonl", "no dataset 'standin/none'"),
+                              ("hf://models/standin/mkqa/x.jsonl", "hf://datasets/OWNER/NAME"),
+                              ("hf://datasets/standin/mkqa/../x.jsonl", "hf://datasets/OWNER/NAME")):
+                assert main(["--arm", "a", url, "--questions", bad]) == 2, bad
+                err = capsys.readouterr().err
+                assert err.count("\n") == 1 and word in err, err
+        # the Hub is gone: the cached copy is used offline
+        monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+        assert main(argv + ["--force"]) == 0
+        capsys.readouterr()
+        assert main(["--arm", "a", url, "--questions", "hf://datasets/standin/other/q.jsonl"]) == 2
+        assert "not in the local Hub cache" in capsys.readouterr().err
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -31,11 +31,19 @@ def _parser() -> argparse.ArgumentParser:
 def _texts_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fle-accept texts",
-        description="Rebuild the evaluation texts: the Python language reference from the running Python's "
-                    "pydoc_data (offline), and every text of a manifest (JSON {\"texts\": [{name, url, sha256}]}) "
-                    "fetched by URL and checked against its SHA-256.")
+        description="Rebuild the evaluation texts of a manifest (default: the report's public texts E, W and K): "
+                    "the Python language reference from the running Python's pydoc_data (offline), and every "
+                    "text with a URL fetched and checked against its SHA-256 before anything is written. Texts "
+                    "whose hash the manifest does not know (unpinned) are fetched only with --record FILE, which "
+                    "writes the manifest with the hashes it saw; rebuilds from FILE are checked against them.",
+        epilog="Manifest: JSON {\"format\": \"fle.texts/1\", \"texts\": [{name, url or builtin, sha256, "
+               "part_of, ...}]} (docs/measure.md); texts with the same part_of are also written joined as PART.txt.")
     p.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="folder to write NAME.txt files into")
-    p.add_argument("--manifest", metavar="FILE", help="texts to fetch, each with its SHA-256")
+    p.add_argument("--manifest", default="report", metavar="FILE|report",
+                   help="texts to rebuild (default: report, the project's manifest of the report's texts)")
+    p.add_argument("--offline", action="store_true", help="write the built-in texts only; fetch nothing")
+    p.add_argument("--record", metavar="FILE", help="fetch unpinned texts too and write the manifest with every "
+                                                    "text's SHA-256 to FILE")
     p.add_argument("--force", action="store_true", help="replace texts that exist")
     return p
 
@@ -44,11 +52,13 @@ def _texts_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "texts":
-        from ..measure.texts import build
+        from ..measure.texts import REPORT_MANIFEST, build
 
         targs = _texts_parser().parse_args(argv[1:])
-        declare_inputs(targs.manifest)
-        build(targs.output_dir, targs.manifest, targs.force)
+        if targs.manifest != REPORT_MANIFEST:
+            declare_inputs(targs.manifest)
+        check_outputs([targs.record], targs.force)
+        build(targs.output_dir, targs.manifest, targs.force, offline=targs.offline, record=targs.record)
         return 0
     args = _parser().parse_args(argv)
     from ..measure.accept import format_table, judge, judge_text, read_kld_result

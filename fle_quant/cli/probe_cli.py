@@ -21,7 +21,10 @@ def _run_parser() -> argparse.ArgumentParser:
         epilog="Run 'fle-probe compare --help' to compare two saved results.")
     p.add_argument("--arm", nargs=2, action="append", default=[], required=True, metavar=("NAME", "URL"),
                    help="a server: its name and base URL (once or twice)")
-    p.add_argument("--questions", metavar="FILE", help="JSONL question file (MKQA layout)")
+    p.add_argument("--questions", metavar="FILE|hf://datasets/OWNER/NAME[@REV]/PATH",
+                   help="JSONL question file in MKQA's layout, plain or .gz (MKQA's mkqa.jsonl.gz), a path or a "
+                        "file of a Hub dataset (downloaded with huggingface_hub into its cache; HF_HUB_OFFLINE=1 "
+                        "uses the cached copy)")
     p.add_argument("--lang", default="en", help="language of the questions and answers (default: en)")
     p.add_argument("--limit", type=int, metavar="N", help="ask only the first N questions")
     p.add_argument("--model", default="", help="model name sent with each request (default: none)")
@@ -64,16 +67,21 @@ def main(argv: list[str] | None = None) -> int:
         raise FleError("arm names must differ; each --arm needs its own NAME")
     if args.n_boot < 100:
         raise FleError(f"--n-boot must be at least 100, got {args.n_boot}")
-    if args.questions:
+    source, local = args.questions or "standard", args.questions
+    if args.questions and args.questions.startswith("hf://"):
+        probe.parse_hub_spec(args.questions)  # a malformed name is refused before anything else
+    elif args.questions:
         declare_inputs(args.questions)
     outs = [f"{args.json}.{n}.json" for n, _ in args.arm] if args.json else []
     check_outputs(outs, args.force)
-    qs = probe.load_questions(args.questions, args.lang)
+    if args.questions and args.questions.startswith("hf://"):
+        local, source = probe.download_questions(args.questions)
+        print(f"questions: {source} ({local})", flush=True)
+    qs = probe.load_questions(local, args.lang)
     if args.limit is not None:
         if args.limit < 1:
             raise FleError(f"--limit must be at least 1, got {args.limit}")
         qs = qs[:args.limit]
-    source = args.questions or "standard"
     results = []
     for name, url in args.arm:
         base = normalize_url(url, f"--arm {name}")

@@ -11,6 +11,8 @@
   rank correlation (scipy).
 * :func:`hit_rate` -- the engine's expert cache hit rate per decode step
   and its moving mean (``fle-engine generate --stats-json``).
+* :func:`comparison` -- an ``fle-compare`` result: mean KLD per text and the
+  speed change with its interval, both over file size.
 * :func:`forest` -- each candidate's change in decode speed from an
   ``fle-bracket`` result with its 95 % interval, overall and per category,
   with the reference drift in the title.
@@ -29,7 +31,7 @@ from ..errors import FleError
 from ..files import OutputSet, write_error
 
 __all__ = ["SizePoint", "size_kld", "sensitivity_heatmap", "forest", "predicted_vs_measured", "hit_rate",
-           "rank_correlation",
+           "rank_correlation", "comparison",
            "file_size"]
 
 
@@ -270,3 +272,57 @@ def predicted_vs_measured(names: list[str], predicted: list[float], klds: list[f
     what = (f"{out}: summed predicted error against measured mean KLD (±1 standard error) for {len(names)} "
             f"files, Spearman rank correlation {rho:.3f}")
     return what, ax, rho
+
+
+def comparison(result: dict, out: str, *, force: bool = False):
+    """``result``: an ``fle-compare`` result. Two panels over file size:
+    mean KLD per text (±1 standard error) and the decode speed change
+    against the reference file with its 95 % interval (the reference at 0)."""
+    plt = _pyplot()
+    rows = result["rows"]
+    texts = result["texts"]
+    if not rows:
+        raise FleError("the comparison has no files to plot")
+    unit, scale = ("GB", 1e9) if max(r["size_bytes"] for r in rows) >= 1e9 else ("MB", 1e6)
+    fig, (ax_k, ax_s) = plt.subplots(1, 2, figsize=(11, 4.5), layout="constrained")
+    for j, t in enumerate(texts):
+        pts = [(r["size_bytes"] / scale, r["kld"][t]["kld_mean"], r["kld"][t]["kld_unc"]) for r in rows
+               if t in r["kld"]]
+        if pts:
+            x, y, e = map(np.array, zip(*pts))
+            ax_k.errorbar(x, y, yerr=e, fmt="os^Dvp"[j % 6], capsize=2, label=t, markeredgecolor="k")
+    n_speed = 0
+    for r in rows:
+        x = r["size_bytes"] / scale
+        for t in texts[:1]:
+            if t in r["kld"]:
+                ax_k.annotate(r["name"], (x, r["kld"][t]["kld_mean"]), textcoords="offset points", xytext=(4, 4),
+                              fontsize=8)
+        s = r["speed"][0] if r["speed"] else None
+        if s is None:
+            continue
+        n_speed += 1
+        if r["reference"]:
+            ax_s.plot([x], [0.0], "*", color="k", markersize=11)
+        else:
+            ch, lo, hi = 100 * s["change"], 100 * s["low"], 100 * s["high"]
+            ax_s.errorbar([x], [ch], yerr=[[ch - lo], [hi - ch]], fmt="o", capsize=3,
+                          color="C0" if s["valid"] else "0.6", markeredgecolor="k")
+        ax_s.annotate(r["name"], (x, 100 * s.get("change", 0.0)), textcoords="offset points", xytext=(4, 4),
+                      fontsize=8)
+    ax_s.axhline(0, color="k", lw=0.8)
+    for ax in (ax_k, ax_s):
+        ax.set_xlabel(f"file size ({unit})")
+        ax.grid(True, alpha=0.3)
+    ax_k.set_ylabel("mean KLD vs base")
+    ax_k.set_title("Quality")
+    if texts:
+        ax_k.legend(title="text")
+    ax_s.set_ylabel(f"decode speed change vs {rows[0]['name']} (%)")
+    ax_s.set_title(f"Speed at an equal cache budget ({result['settings']['budget']})")
+    _save(fig, out, force)
+    plt.close(fig)
+    what = (f"{out}: {len(rows)} files by size: mean KLD on {len(texts)} text{'s' if len(texts) != 1 else ''} "
+            f"(±1 standard error) and decode speed change against {rows[0]['name']} with 95 % intervals "
+            f"({n_speed} measured) at one cache budget")
+    return what, (ax_k, ax_s)

@@ -21,6 +21,7 @@ and the exact McNemar test.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import time
@@ -36,7 +37,8 @@ from .client import chat
 from .stats import N_BOOT, mcnemar_exact, paired_bootstrap_diff
 
 __all__ = ["Question", "normalize", "is_abstention", "is_correct", "parse_questions", "load_questions",
-           "standard_questions", "question_seed", "run_probe", "score", "compare", "SYSTEM_PROMPT", "SAMPLING"]
+           "standard_questions", "parse_hub_spec", "download_questions", "question_seed", "run_probe", "score",
+           "compare", "SYSTEM_PROMPT", "SAMPLING"]
 
 FORMAT = "fle-probe/1"
 SYSTEM_PROMPT = ("Answer the question with the answer only: a name, number, date or a few words, with no "
@@ -135,10 +137,67 @@ def standard_questions(lang: str = "en") -> list[Question]:
     return parse_questions(text, "the standard question file", lang)
 
 
+HUB_PREFIX = "hf://datasets/"
+_HUB_SPEC = re.compile(r"^hf://datasets/([A-Za-z0-9][\w.-]*/[\w.-]+)(?:@([^/]+))?/(.+)$")
+
+
+def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
+    """``hf://datasets/OWNER/NAME[@REVISION]/PATH``: (repo, revision or None, path)."""
+    m = _HUB_SPEC.match(spec)
+    if not m or ".." in m.group(3).split("/"):
+        raise FleError(f"--questions {spec!r}: write a Hub file as hf://datasets/OWNER/NAME[@REVISION]/PATH, e.g. "
+                       "hf://datasets/OWNER/mkqa@main/mkqa.jsonl.gz")
+    return m.group(1), m.group(2), m.group(3)
+
+
+def download_questions(spec: str) -> tuple[str, str]:
+    """A question file on the Hugging Face Hub, downloaded (or taken from the
+    local cache) with ``huggingface_hub``: (local path, ``hf://`` label with
+    the commit it resolved to)."""
+    repo, rev, path = parse_hub_spec(spec)
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    try:
+        local = hf_hub_download(repo, path, repo_type="dataset", revision=rev)
+    except RepositoryNotFoundError:
+        raise FleError(f"--questions {spec}: the Hub has no dataset {repo!r} (or it needs a login: "
+                       "hf auth login)") from None
+    except RevisionNotFoundError:
+        raise FleError(f"--questions {spec}: dataset {repo} has no revision {rev!r}") from None
+    except LocalEntryNotFoundError:
+        raise FleError(f"--questions {spec}: not in the local Hub cache and the Hub cannot be reached "
+                       "(offline?); download it once when online") from None
+    except EntryNotFoundError:
+        raise FleError(f"--questions {spec}: dataset {repo} has no file {path!r} at "
+                       f"{rev or 'main'}; check the path") from None
+    except HfHubHTTPError as e:
+        raise FleError(f"--questions {spec}: the Hub answered {str(e).splitlines()[0]}") from None
+    except OSError as e:
+        raise FleError(f"--questions {spec}: cannot download it ({e})") from None
+    parts = os.path.normpath(local).split(os.sep)
+    commit = parts[parts.index("snapshots") + 1] if "snapshots" in parts else (rev or "main")
+    return local, f"hf://datasets/{repo}@{commit}/{path}"
+
+
 def load_questions(path: str | None, lang: str) -> list[Question]:
+    """Questions from a JSONL file in MKQA's layout, plain or gzip-compressed
+    (MKQA's own ``mkqa.jsonl.gz``); None: the project's small file."""
     if path is None:
         return standard_questions(lang)
     raw = read_bytes_file(path, "question file", max_bytes=512 << 20)
+    if raw[:2] == b"\x1f\x8b":
+        import gzip
+        import zlib
+
+        try:
+            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as g:
+                raw = g.read((1 << 30) + 1)
+        except (OSError, EOFError, zlib.error) as e:
+            raise FleError(f"{path}: a damaged gzip file ({e}); download it again") from None
+        if len(raw) > 1 << 30:
+            raise FleError(f"{path}: decompresses to more than 1 GiB; give an MKQA-sized question file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
