@@ -219,6 +219,42 @@ def test_the_comparison_sees_each_component(model_file, reference, broken, monke
     assert _kld(ref_logits, got) > 1e-2
 
 
+def test_indexer_follows_the_used_length(model_file, reference, monkeypatch):
+    """QSA's block scores and sort cover the blocks of a length bucket, not
+    the allocated context: one variant of the step per bucket (each its own
+    CUDA graph), the bucket following the position, and the same tokens as
+    the reference. Buckets from 16 positions here so that the factory
+    model's short context has several."""
+    ref, _ = reference
+    monkeypatch.setattr(rt.Net, "MIN_BUCKET", 16)
+    per, _ = _expert_bytes(model_file)
+    eng = _engine(model_file, 2 * per)
+    ctx = eng.ctx_size
+    assert eng.net.variants(ctx) == [16, 32, 64, 128, 256, ctx]
+    assert [eng.net.variant_for(p, ctx) for p in (0, 15, 16, 31, 32, 255, 256, ctx - 1)] == \
+        [16, 16, 32, 32, 64, 256, ctx, ctx]
+    if CUDA:
+        assert sorted(eng._graphs, key=lambda v: v) == [16, 32, 64, 128, 256, ctx]
+    seen = []
+    attend = eng.net.attend
+
+    def recording(at, il, state, ops):
+        if isinstance(eng.net.layers[il].mixer, rt.QSA):
+            seen.append(state.qsa_positions)
+        return attend(at, il, state, ops)
+
+    n = N_TOKENS if CUDA else 64
+    if not CUDA:                     # eager steps: the scored span of every QSA step is visible
+        eng.net.attend = recording
+    assert eng.generate(PROMPT, n) == ref[:n]
+    if not CUDA:
+        n_qsa = sum(isinstance(L.mixer, rt.QSA) for L in eng.net.layers)
+        steps = len(PROMPT) + n - 1
+        assert seen == [eng.net.variant_for(p, ctx) for p in range(steps) for _ in range(n_qsa)]
+        assert seen[0] == 16 and seen[-1] == 128        # positions 0 .. 66
+    eng.close()
+
+
 def test_policy_lag_one_step(model_file):
     """A decision taken from step t's routing (while step t + 1 runs) is
     copied while step t + 2 runs and reaches the device map at the boundary

@@ -171,6 +171,7 @@ class Engine:
         self.split = None
         self._setup_split(miss_split)
         self._graph = None
+        self._graphs = {}
         self.stats = RunStats()
         # cached experts used per step, for the hit rate over time (the last 2^20 steps: bounded in a server)
         self.step_hits = deque(maxlen=1 << 20)
@@ -334,20 +335,29 @@ class Engine:
         self.launched = self.consumed = 0
 
     def _capture(self) -> None:
+        """One CUDA graph per variant of the step (``net.variants``: length
+        buckets where the step's shapes follow the used length), sharing one
+        memory pool (they never run at once)."""
         st = self.state
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):                       # compile every kernel before capture
+        graphs, pool = {}, None
+        for v in self.net.variants(self.ctx_size):
+            self.net.set_variant(st, v)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):                       # compile every kernel before capture
+                    self._step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
                 self._step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            self._step()
-        self._graph = g
-        st.pos.zero_()
-        self.net.reset(st)
-        torch.cuda.synchronize(self.device)
+            pool = g.pool()
+            graphs[v] = g
+            st.pos.zero_()
+            self.net.reset(st)
+            torch.cuda.synchronize(self.device)
+        self._graphs = graphs
+        self._graph = next(iter(graphs.values()))
 
     def _step(self) -> None:
         self.state.serial.add_(1)
@@ -376,7 +386,9 @@ class Engine:
                     if self.cuda else "")
                  + f"; host experts {m['host_experts'] / gib:.2f} GiB "
                    f"{'page-locked' if self.host.pinned else 'in process memory'}; "
-                 f"{'CUDA graph' if self._graph is not None else 'eager'} steps ({'triton' if self.fast else 'reference'})")
+                 + (("CUDA graph" if len(self._graphs) == 1 else f"CUDA graph ({len(self._graphs)} length buckets)")
+                    if self._graph is not None else "eager")
+                 + f" steps ({'triton' if self.fast else 'reference'})")
 
     # stepping ---------------------------------------------------------------------
     def _launch(self, token: "int | None") -> None:
@@ -390,9 +402,11 @@ class Engine:
                 ev.synchronize()
             self._tok_in[i] = token
             st.tok.copy_(self._tok_in[i:i + 1], non_blocking=True)
+        v = self.net.variant_for(self.launched, self.ctx_size)      # the step's position: steps since reset
         if self._graph is not None:
-            self._graph.replay()
+            self._graphs[v].replay()
         else:
+            self.net.set_variant(st, v)
             with torch.inference_mode():
                 self._step()
         if self.cuda:
@@ -534,6 +548,7 @@ class Engine:
             except FleError as e:
                 self.log(f"expert cache profile not saved: {e}")
         self._graph = None
+        self._graphs = {}
         if getattr(self, "split", None) is not None:
             torch.cuda.synchronize(self.device) if self.cuda else None
             self.split.close()

@@ -152,6 +152,19 @@ class Net:
     def reset(self, state) -> None:
         """A new sequence: attention caches are addressed by position, nothing to clear."""
 
+    # variants of the step: a step whose shapes depend on how far the sequence has come (qwen4exp's
+    # indexer) has one variant per length bucket, each captured as its own graph; the others have one
+    def variants(self, ctx: int) -> list:
+        """The step's variants for ``ctx`` allocated positions."""
+        return [None]
+
+    def variant_for(self, pos: int, ctx: int):
+        """The variant that a step at position ``pos`` runs."""
+        return None
+
+    def set_variant(self, state, variant) -> None:
+        """Make the next steps (eager or captured) run ``variant``."""
+
     def alloc(self, state) -> None:
         """The step's device buffers (static addresses for graph capture)."""
         a, dev = self.args, self.device

@@ -21,8 +21,13 @@ What it adds:
   stable descending sort (ties go to the earlier block, as the reference),
   the kept blocks plus the incomplete tail as an int32 block mask, and the
   length-aware attention kernel skipping positions of blocks not kept: its
-  cost follows the used length; the scoring and the sort follow the
-  allocated blocks (``ctx / ratio``).
+  cost follows the used length. The scoring and the sort cover the blocks
+  of a length bucket (powers of two from 1,024 positions up to the
+  allocated context): the step has one variant per bucket, each captured
+  as its own graph and replayed while the position lies in its bucket, so
+  they too follow the used length (within 2x). Blocks past the position
+  are incomplete and never chosen, so a bucket gives the same choice as
+  the whole context.
 - PLE: the n-gram rows of the current token are hashed on the device from
   the token history kept there, and read by the GPU straight from the table
   in page-locked host memory (``gather_rows``, zero-copy; only the
@@ -231,6 +236,29 @@ class Net(qwen3next.Net):
                                      torch.zeros(n_blk, a.idx_dim, dtype=torch.float32, device=dev))
         return out
 
+    # length buckets of the indexer (module docstring) ------------------------------------
+    MIN_BUCKET = 1024
+
+    def variants(self, ctx: int) -> list:
+        if not any(self.args.compress[il] and not self.args.recurrent[il] for il in range(self.args.n_layer)):
+            return [None]
+        out, n = [], self.MIN_BUCKET
+        while n < ctx:
+            out.append(n)
+            n *= 2
+        return out + [ctx]
+
+    def variant_for(self, pos: int, ctx: int):
+        if not any(self.args.compress[il] and not self.args.recurrent[il] for il in range(self.args.n_layer)):
+            return None
+        n = self.MIN_BUCKET
+        while n <= pos and n < ctx:
+            n *= 2
+        return min(n, ctx)
+
+    def set_variant(self, state, variant) -> None:
+        state.qsa_positions = variant
+
     def reset(self, state) -> None:
         """A new sequence: recurrent states from zero; the PLE history reads
         EOS before the start. (Raw indexer keys and block keys are
@@ -303,13 +331,17 @@ class Net(qwen3next.Net):
                                                   state.rope_sin.index_select(0, start))[:, 0])
         q = Lr.rms_norm(b.iqk[:, :hi * di].view(1, hi, di), m.q_norm, a.eps)
         q = Lr.apply_rope_neox(q, state.rope_cos.index_select(0, pos), state.rope_sin.index_select(0, pos))[0]
-        score = torch.relu(kb @ q.T).sum(-1)                           # [NB]
-        tail = b.blocks >= torch.div(pos + 1, r, rounding_mode="floor")   # not complete at pos
+        # the blocks of the length bucket (set_variant; all of them when none is set)
+        span = getattr(state, "qsa_positions", None)
+        nb = kb.shape[0] if span is None else min(kb.shape[0], -(-span // r))
+        kb_used = kb[:nb]
+        score = torch.relu(kb_used @ q.T).sum(-1)                      # [nb]
+        tail = b.blocks[:nb] >= torch.div(pos + 1, r, rounding_mode="floor")   # not complete at pos
         score = score.masked_fill(tail, float("-inf"))
         top, which = torch.sort(score, descending=True, stable=True)
         k = min(m.n_kept, score.shape[0])
         chosen = torch.zeros_like(tail).scatter(0, which[:k], top[:k] > float("-inf"))
-        torch.bitwise_or(chosen, tail, out=b.keep)
+        torch.bitwise_or(chosen, tail, out=b.keep[:nb])          # blocks past nb lie past pos: never read
         ops.attention(b.q, kc, vc, pos, a.attn_scale, b.o.view(-1), b.partial, b.ml, keep=b.keep, ratio=r)
 
     def mix(self, L: Layer, il: int, state, ops) -> None:
