@@ -224,11 +224,68 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
                miss_split=miss_split, cpu_share=(sp.share / 256 if sp is not None else 0.0),
                cpu_kernels=(sp.cpu.name if sp is not None else None),
                cpu_misses_per_token=((sp.cpu_experts - cpu0) / max(1, steps) if sp is not None else 0.0),
-               cpu_busy_ms_per_token=((sp.busy_seconds - busy0) / max(1, steps) * 1e3 if sp is not None else 0.0))
+               cpu_busy_ms_per_token=((sp.busy_seconds - busy0) / max(1, steps) * 1e3 if sp is not None else 0.0),
+               miss_bandwidths=eng.miss_bandwidths,
+               expert_bytes_mean=float(np.mean([lay.expert_bytes for lay in eng.net.layouts.values()])))
     eng.close()
     del eng
     torch.cuda.empty_cache()
     return res
+
+
+def pinned_copy_bps(mib: int = 1024) -> float:
+    """Bytes per second of a pinned host -> device copy (the link's measured speed)."""
+    import torch
+
+    src = torch.empty(mib << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    bps = 3 * src.numel() / (time.perf_counter() - t0)
+    del src, dst
+    return bps
+
+
+def link_model(row: dict, link_bps: float, pinned_bps: float) -> "dict | None":
+    """Decode speed on a slower PCIe link, modelled from this machine's
+    measurements (labelled as a model wherever it is printed): a token's
+    time is the rest of the step plus its miss bytes at the speed of the
+    side(s) that read them.
+
+    From the GPU-only run: ``t_rest = 1 / tok_s - M / B_z`` with ``M`` the
+    miss bytes per token and ``B_z`` the zero-copy read speed that ``auto``
+    measured; on the slower link ``B_z' = B_z * link / pinned`` (zero-copy
+    reads scale with the link). GPU-only: ``t_rest + M / B_z'``; hybrid in
+    the share ``auto`` would pick there: ``t_rest + M / (B_c + B_z') + o``
+    with ``o`` the hybrid's own overhead measured here (its measured time
+    minus the same formula at this link's speed, not below 0); CPU-only
+    reads nothing over PCIe and keeps its measured speed. Upstream's
+    ``-ncmoe`` decode computes its misses on the CPU and moves only
+    activations over PCIe, so its measured speed stands."""
+    runs = row.get("fle_split", {})
+    g, a = runs.get("gpu"), runs.get("auto")
+    if not g or not a or not a.get("miss_bandwidths"):
+        return None
+    b_z, b_c = a["miss_bandwidths"]["gpu"], a["miss_bandwidths"]["cpu"]
+    m = g["misses_per_token"] * g["expert_bytes_mean"]
+    t_rest = max(0.0, 1.0 / g["tok_s"] - m / b_z)
+    b_z2 = b_z * link_bps / pinned_bps
+    over = max(0.0, 1.0 / a["tok_s"] - (t_rest + m / (b_c + b_z)))
+    out = {"link_gbps": link_bps / 1e9, "pinned_gbps": pinned_bps / 1e9, "zero_copy_gbps": b_z2 / 1e9,
+           "cpu_gbps": b_c / 1e9, "rest_ms": t_rest * 1e3, "hybrid_overhead_ms": over * 1e3,
+           "gpu_tok_s": 1.0 / (t_rest + m / b_z2), "hybrid_tok_s": 1.0 / (t_rest + m / (b_c + b_z2) + over),
+           "hybrid_cpu_share": b_c / (b_c + b_z2)}
+    if runs.get("cpu"):
+        out["cpu_tok_s"] = runs["cpu"]["tok_s"]
+    if "upstream_tok_s" in row:
+        out["upstream_tok_s"] = row["upstream_tok_s"]
+        out["hybrid_ratio"] = out["hybrid_tok_s"] / row["upstream_tok_s"]
+        out["gpu_ratio"] = out["gpu_tok_s"] / row["upstream_tok_s"]
+    return out
 
 
 def step_time_at(model: Path, ctx: int, position: int, budget, n: int = 64) -> float:
@@ -299,6 +356,9 @@ def main(argv=None) -> int:
     p.add_argument("--miss-split", default="gpu",
                    help="FLE runs with these --miss-split settings (gpu, cpu, auto, a fraction), comma list")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--link-gbps", type=float, default=25.0,
+                   help="also print the modelled decode speed on a PCIe link of this speed (GB/s; default 25, a "
+                        "PCIe 4 x16 GPU reading host memory), from the gpu and auto runs' measurements; 0: off")
     p.add_argument("--checks", action="store_true",
                    help="also: decode step cost at position 1,000 with 8,192 and 131,072 positions allocated, and "
                         "GPU memory over --memory-tokens decoded tokens (on the last file)")
@@ -362,6 +422,19 @@ def main(argv=None) -> int:
             if "upstream_tok_s" in row:
                 f["ratio"] = f["tok_s"] / row["upstream_tok_s"]
                 print(f"[{routing}] ratio FLE (misses {split}) / upstream = {f['ratio']:.2f}", flush=True)
+        if args.link_gbps:
+            pinned = results.setdefault("pinned_copy_gbps", pinned_copy_bps() / 1e9)
+            lm = row["link_model"] = link_model(row, args.link_gbps * 1e9, pinned * 1e9)
+            if lm is not None:
+                msg = (f"[{routing}] MODEL, not measured: PCIe at {args.link_gbps:g} GB/s (this link {pinned:.1f}): "
+                       f"FLE misses on the GPU {lm['gpu_tok_s']:.1f} tok/s, hybrid {lm['hybrid_tok_s']:.1f} "
+                       f"(CPU share {lm['hybrid_cpu_share']:.0%})")
+                if "cpu_tok_s" in lm:
+                    msg += f", misses on the CPU {lm['cpu_tok_s']:.1f} (measured: no PCIe)"
+                if "upstream_tok_s" in lm:
+                    msg += (f"; upstream {lm['upstream_tok_s']:.1f} (measured: its misses run on the CPU); "
+                            f"ratio hybrid / upstream {lm['hybrid_ratio']:.2f}")
+                print(msg, flush=True)
         best = max(row["fle_split"], key=lambda k: row["fle_split"][k]["tok_s"])
         row["fle"] = f = row["fle_split"][best]
         if "upstream_tok_s" in row:

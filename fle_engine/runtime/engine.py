@@ -169,6 +169,7 @@ class Engine:
         if profile is not None:
             self.cache.warm(profile)
         self.split = None
+        self.miss_bandwidths = None      # bytes/s of misses on each side, when auto measured them
         self._setup_split(miss_split)
         self._graph = None
         self._graphs = {}
@@ -274,6 +275,7 @@ class Engine:
                 cpu.ffn(il, rng.choice(a.n_expert, kc, replace=False), w_h, xs, out)
                 reps += 1
             cpu_bw = reps * kc * eb / (time.perf_counter() - t0)
+        self.miss_bandwidths = {"gpu": gpu, "cpu": cpu_bw}
         share = int(round(SHARE_ONE * cpu_bw / (cpu_bw + gpu)))
         share = share if share >= SHARE_ONE // 32 else 0
         self.log(f"misses measured: GPU reads {gpu / 1e9:.1f} GB/s over PCIe, the CPU ({cpu.name} kernels) "
