@@ -27,12 +27,13 @@ import numpy as np
 from numba import njit, prange
 
 from fle_quant.ggml_types import GGMLType
-from fle_quant.quants.blocks_common import fp16_at, u16, u32
+from fle_quant.quants.blocks_common import u16, u32
 from fle_quant.quants.blocks_k import _scale_min_k4
 from fle_quant.quants.tables import IQ2S_GRID, IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS
 
 from .acts import quantize_row
-from .simd import dot16_s8, dot32_hi4, dot32_lo4, dot32_s8, dot_iq4
+from .simd import dot8_scaled, dot16_s8, dot32_s8, dot_iq4, dot_iq4_xs, dot_q4_k
+from .simd import f16_at as fp16_at
 from .plan import plan, silu_mul_row, weighted_sum
 
 __all__ = ["CODES", "forward", "matvec", "row", "scratch", "dot_k", "BLOCK_BYTES"]
@@ -73,10 +74,7 @@ def _neg(g, m):
 @njit(cache=True, inline="always")
 def _dot8(w8, sc, x, xo):
     # sum over the 8 sub-blocks of a 256-value block: scale * integer dot
-    s = np.int64(0)
-    for j in range(8):
-        s += np.int64(sc[j]) * dot32_s8(w8, 32 * j, x, xo + 32 * j)
-    return s
+    return dot8_scaled(w8, sc, x, xo)
 
 
 @njit(cache=True, inline="always")
@@ -182,7 +180,7 @@ def _dec_q6_k(b, o, w8, sc16):
             sc16[4 * h + k + 8] = np.int32(np.int8(b[o + 192 + 8 * h + 2 * k + 1]))
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
     """acc[k] = the row ``w`` (uint8, nb blocks) times activation row arow[k]."""
     w8 = w64.view(np.int8)
@@ -194,8 +192,6 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
             if code == _Q8_0:
                 o = 34 * bi
                 dw = fp16_at(w, o)
-                for i in range(32):
-                    w8[i] = np.int8(w[o + 2 + i])
                 nh = 1
             elif code == _IQ4_NL:
                 o = 18 * bi
@@ -216,10 +212,26 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
                     ab = nh * bi + hh
                     if code == _IQ4_NL:
                         s = dot_iq4(w, o + 2, xq[r], 32 * ab)
+                    elif code == _Q8_0:
+                        s = dot32_s8(w, o + 2, xq[r], 32 * ab)      # the codes read in place as int8
                     else:
                         s = dot32_s8(w8, 32 * hh, xq[r], 32 * ab)
                     a = a + (dw * xd[r, ab]) * (_F32(s) * frac)
                 acc[k] = a
+        return
+    if code == _IQ4_XS and nt == 1:
+        # the common case (one token) as one tight loop with a register accumulator: the dispatch out of
+        # the block loop keeps it small enough for LLVM to optimise (2x on this loop)
+        r = arow[0]
+        xr = xq[r]
+        xdr = xd[r]
+        a = acc[0]
+        for bi in range(nb):
+            o = 136 * bi
+            _scales_iq4_xs(w, o, sc)
+            s = dot_iq4_xs(w, o, sc, xr, 256 * bi)
+            a = a + (fp16_at(w, o) * xdr[bi]) * (_F32(s) * frac)
+        acc[0] = a
         return
     size = _BLOCK_BYTES[code]
     for bi in range(nb):
@@ -250,15 +262,9 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
             if code == _IQ2_XS or code == _IQ2_S or code == _Q6_K:
                 s = _dot_halves(w8, sc, xq[r], xo)
             elif code == _IQ4_XS:
-                s = np.int64(0)
-                for j in range(8):
-                    s += np.int64(sc[j]) * dot_iq4(w, o + 8 + 16 * j, xq[r], xo + 32 * j)
+                s = dot_iq4_xs(w, o, sc, xq[r], xo)
             elif code == _Q4_K:
-                s = np.int64(0)
-                for c in range(4):
-                    q = o + 16 + 32 * c
-                    s += (np.int64(sc[2 * c]) * dot32_lo4(w, q, xq[r], xo + 64 * c)
-                          + np.int64(sc[2 * c + 1]) * dot32_hi4(w, q, xq[r], xo + 64 * c + 32))
+                s = dot_q4_k(w, o, sc, xq[r], xo)
             else:
                 s = _dot8(w8, sc, xq[r], xo)
             dd = dw * xd[r, bi]
@@ -281,12 +287,14 @@ def _matvec(code, rows, nb, xq, xd, xs, out):
     n_rows = rows.shape[0]
     nt = xq.shape[0]
     arow = np.arange(nt)
-    for r in prange(n_rows):
+    chunk = 16      # rows per work item: the scratch is allocated once per chunk, not per row
+    for c in prange((n_rows + chunk - 1) // chunk):
         w64, sc, mn = _scratch()
         acc = np.empty(nt, np.float32)
-        _row(code, rows[r], nb, xq, xd, xs, arow, nt, acc, w64, sc, mn)
-        for k in range(nt):
-            out[k, r] = acc[k]
+        for r in range(c * chunk, min(n_rows, (c + 1) * chunk)):
+            _row(code, rows[r], nb, xq, xd, xs, arow, nt, acc, w64, sc, mn)
+            for k in range(nt):
+                out[k, r] = acc[k]
 
 
 # one row and its scratch, for kernels that drive the rows themselves (.team)

@@ -13,15 +13,27 @@ present), ARM's to smull / sadalp.
 int8 and A by kind: ``s8`` (a's bytes as int8), ``lo4`` / ``hi4`` (a's low /
 high nibbles, 0..15). Arrays are 1-D uint8 or int8; offsets are in bytes;
 the result is an int64.
+
+On x86 CPUs with AVX2 the same functions (and the scaled block sums
+``dot8_scaled``, ``dot_iq4_xs``, ``dot_q4_k``) use the byte multiply-add
+that ggml's kernels use: ``pmaddubsw`` of an unsigned and a signed byte
+vector into int16 pairs (signed weights through ``|w|`` and ``sign(w) * x``),
+then ``pmaddwd`` with ones or with the sub-block's scale into int32 lanes,
+which are summed across sub-blocks and reduced once per block. The sums are
+exact integers either way (the activation codes lie in -127..127, so a
+pair never saturates int16: 2 * 128 * 127 < 32768), so both paths give the
+same numbers bit for bit.
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["dot32_s8", "dot16_s8", "dot32_lo4", "dot32_hi4", "dot_iq4"]
+__all__ = ["dot32_s8", "dot16_s8", "dot32_lo4", "dot32_hi4", "dot_iq4", "dot8_scaled", "dot_iq4_xs", "dot_q4_k",
+           "AVX2"]
 
 
 def _make(n: int, kind: str):
@@ -127,3 +139,257 @@ def dot_iq4(typingctx, w, wo, x, xo):
         return builder.sext(builder.call(fn, [prod]), i64)
 
     return sig, codegen
+
+
+# ---------------------------------------------------------------------------
+# AVX2: pmaddubsw / pmaddwd (module docstring)
+
+
+def _host_feature(name: str) -> bool:
+    import os
+    import platform
+
+    if os.environ.get("FLE_CPU_PORTABLE"):          # the portable IR on any CPU (tests of both paths)
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        from llvmlite import binding
+        return bool(binding.get_host_cpu_features().get(name, False))
+    except Exception:  # noqa: BLE001 - feature query unavailable: take the portable path
+        return False
+
+
+AVX2 = _host_feature("avx2")
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+
+
+def _fn(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _vload(context, builder, ty, arr, off, n):
+    data = context.make_array(ty)(context, builder, arr).data
+    p = builder.gep(builder.bitcast(data, _I8.as_pointer()), [off])
+    return builder.load(builder.bitcast(p, ir.VectorType(_I8, n).as_pointer()), align=1)
+
+
+def _madd(builder, u, s, scale=None):
+    """u (unsigned bytes) . s (signed bytes), <32 x i8> or <16 x i8> -> int32
+    lanes (<8 x i32> / <4 x i32>) of pair sums, times ``scale`` (an i16
+    value) when given."""
+    n = u.type.count
+    v8, v16, v32 = ir.VectorType(_I8, n), ir.VectorType(_I16, n // 2), ir.VectorType(_I32, n // 4)
+    if n == 32:
+        p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8]), [u, s])
+        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", v32, [v16, v16])
+    else:
+        p16 = builder.call(_fn(builder, "llvm.x86.ssse3.pmadd.ub.sw.128", v16, [v8, v8]), [u, s])
+        mw = _fn(builder, "llvm.x86.sse2.pmadd.wd", v32, [v16, v16])
+    if scale is None:
+        m = ir.Constant(v16, [1] * (n // 2))
+    else:
+        m = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), scale, _I32(0)),
+                                   ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(_I32, n // 2),
+                                                                               [0] * (n // 2)))
+    return builder.call(mw, [p16, m])
+
+
+def _signed(builder, w, x):
+    """|w| and sign(w) * x for signed bytes w (pmaddubsw takes one unsigned side)."""
+    n = w.type.count
+    v8 = ir.VectorType(_I8, n)
+    zero = ir.Constant(v8, [0] * n)
+    aw = builder.select(builder.icmp_signed("<", w, zero), builder.sub(zero, w), w)
+    name = "llvm.x86.avx2.psign.b" if n == 32 else "llvm.x86.ssse3.psign.b.128"
+    return aw, builder.call(_fn(builder, name, v8, [v8, v8]), [x, w])
+
+
+def _reduce(builder, v):
+    return builder.sext(builder.call(_fn(builder, f"llvm.vector.reduce.add.v{v.type.count}i32", _I32, [v.type]),
+                                     [v]), _I64)
+
+
+def _nibbles(builder, q, hi):
+    n = q.type.count
+    v8 = ir.VectorType(_I8, n)
+    if hi:
+        return builder.lshr(q, ir.Constant(v8, [4] * n))
+    return builder.and_(q, ir.Constant(v8, [15] * n))
+
+
+def _iq4_values(builder, q16, table):
+    """16 bytes of IQ4 nibbles -> <32 x i8>: the code book's values of the
+    low nibbles, then of the high ones."""
+    v32 = ir.VectorType(_I8, 32)
+    both = builder.shuffle_vector(_nibbles(builder, q16, False), _nibbles(builder, q16, True),
+                                  ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    lut = ir.Constant(v32, [t & 0xFF for t in table] * 2)
+    return builder.call(_fn(builder, "llvm.x86.avx2.pshuf.b", v32, [v32, v32]), [lut, both])
+
+
+def _x86_dot(n: int, kind: str):
+    def codegen(context, builder, sig, args):
+        va = _vload(context, builder, sig.args[0], args[0], args[1], n)
+        vx = _vload(context, builder, sig.args[2], args[2], args[3], n)
+        if kind == "s8":
+            u, s = _signed(builder, va, vx)
+        else:
+            u, s = _nibbles(builder, va, kind == "hi4"), vx
+        return _reduce(builder, _madd(builder, u, s))
+
+    def impl(typingctx, a, ao, b, bo):
+        if not (isinstance(a, types.Array) and isinstance(b, types.Array)):
+            return None
+        return types.int64(a, types.int64, b, types.int64), codegen
+
+    impl.__name__ = f"dot{n}_{kind}_avx2"
+    return intrinsic(impl)
+
+
+def _scale_i16(context, builder, ty, arr, j):
+    """arr[j] (an int32 array's element) as i16."""
+    data = context.make_array(ty)(context, builder, arr).data
+    v = builder.load(builder.gep(data, [_I32(j)]))
+    return builder.trunc(v, _I16)
+
+
+def _kvalues():
+    from fle_quant.quants.tables import KVALUES_IQ4NL
+    return [int(v) for v in KVALUES_IQ4NL]
+
+
+@intrinsic
+def _dot_iq4_avx2(typingctx, w, wo, x, xo):
+    if not (isinstance(w, types.Array) and isinstance(x, types.Array)):
+        return None
+    table = _kvalues()
+
+    def codegen(context, builder, sig, args):
+        vals = _iq4_values(builder, _vload(context, builder, sig.args[0], args[0], args[1], 16), table)
+        u, s = _signed(builder, vals, _vload(context, builder, sig.args[2], args[2], args[3], 32))
+        return _reduce(builder, _madd(builder, u, s))
+
+    return types.int64(w, types.int64, x, types.int64), codegen
+
+
+@intrinsic
+def _dot8_scaled_avx2(typingctx, w8, sc, x, xo):
+    """sum over j < 8 of sc[j] * (w8[32 j: 32 j + 32] . x[xo + 32 j: ...]), w8 signed."""
+    if not all(isinstance(a, types.Array) for a in (w8, sc, x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        acc = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
+        for j in range(8):
+            wv = _vload(context, builder, sig.args[0], args[0], _I64(32 * j), 32)
+            xv = _vload(context, builder, sig.args[2], args[2], builder.add(args[3], _I64(32 * j)), 32)
+            u, s = _signed(builder, wv, xv)
+            acc = builder.add(acc, _madd(builder, u, s, _scale_i16(context, builder, sig.args[1], args[1], j)))
+        return _reduce(builder, acc)
+
+    return types.int64(w8, sc, x, types.int64), codegen
+
+
+@intrinsic
+def _dot_iq4_xs_avx2(typingctx, w, o, sc, x, xo):
+    """One IQ4_XS block at w[o:]: sum over its 8 sub-blocks of sc[j] * the
+    code book's values . x[xo + 32 j: ...]."""
+    if not all(isinstance(a, types.Array) for a in (w, sc, x)):
+        return None
+    table = _kvalues()
+
+    def codegen(context, builder, sig, args):
+        acc = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
+        for j in range(8):
+            q = _vload(context, builder, sig.args[0], args[0], builder.add(args[1], _I64(8 + 16 * j)), 16)
+            xv = _vload(context, builder, sig.args[3], args[3], builder.add(args[4], _I64(32 * j)), 32)
+            u, s = _signed(builder, _iq4_values(builder, q, table), xv)
+            acc = builder.add(acc, _madd(builder, u, s, _scale_i16(context, builder, sig.args[2], args[2], j)))
+        return _reduce(builder, acc)
+
+    return types.int64(w, types.int64, sc, x, types.int64), codegen
+
+
+@intrinsic
+def _dot_q4_k_avx2(typingctx, w, o, sc, x, xo):
+    """One Q4_K block at w[o:]: sum over c < 4 of sc[2c] * lo nibbles of
+    w[o + 16 + 32 c:] . x[xo + 64 c:] + sc[2c + 1] * hi nibbles . x[xo + 64 c + 32:]."""
+    if not all(isinstance(a, types.Array) for a in (w, sc, x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        acc = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
+        for c in range(4):
+            q = _vload(context, builder, sig.args[0], args[0], builder.add(args[1], _I64(16 + 32 * c)), 32)
+            for h in range(2):
+                xv = _vload(context, builder, sig.args[3], args[3], builder.add(args[4], _I64(64 * c + 32 * h)), 32)
+                acc = builder.add(acc, _madd(builder, _nibbles(builder, q, h == 1), xv,
+                                             _scale_i16(context, builder, sig.args[2], args[2], 2 * c + h)))
+        return _reduce(builder, acc)
+
+    return types.int64(w, types.int64, sc, x, types.int64), codegen
+
+
+@njit(cache=True, inline="always")
+def _dot8_scaled_portable(w8, sc, x, xo):
+    s = np.int64(0)
+    for j in range(8):
+        s += np.int64(sc[j]) * _dot32_s8_portable(w8, 32 * j, x, xo + 32 * j)
+    return s
+
+
+@njit(cache=True, inline="always")
+def _dot_iq4_xs_portable(w, o, sc, x, xo):
+    s = np.int64(0)
+    for j in range(8):
+        s += np.int64(sc[j]) * _dot_iq4_portable(w, o + 8 + 16 * j, x, xo + 32 * j)
+    return s
+
+
+@njit(cache=True, inline="always")
+def _dot_q4_k_portable(w, o, sc, x, xo):
+    s = np.int64(0)
+    for c in range(4):
+        q = o + 16 + 32 * c
+        s += (np.int64(sc[2 * c]) * _dot32_lo4_portable(w, q, x, xo + 64 * c)
+              + np.int64(sc[2 * c + 1]) * _dot32_hi4_portable(w, q, x, xo + 64 * c + 32))
+    return s
+
+
+_dot32_s8_portable, _dot16_s8_portable = dot32_s8, dot16_s8
+_dot32_lo4_portable, _dot32_hi4_portable, _dot_iq4_portable = dot32_lo4, dot32_hi4, dot_iq4
+if AVX2:
+    dot32_s8, dot16_s8 = _x86_dot(32, "s8"), _x86_dot(16, "s8")
+    dot32_lo4, dot32_hi4 = _x86_dot(32, "lo4"), _x86_dot(32, "hi4")
+    dot_iq4 = _dot_iq4_avx2
+    dot8_scaled, dot_iq4_xs, dot_q4_k = _dot8_scaled_avx2, _dot_iq4_xs_avx2, _dot_q4_k_avx2
+else:
+    dot8_scaled, dot_iq4_xs, dot_q4_k = _dot8_scaled_portable, _dot_iq4_xs_portable, _dot_q4_k_portable
+
+
+# ---------------------------------------------------------------------------
+# fp16 scales: one conversion instruction where the CPU has F16C
+
+
+@intrinsic
+def _f16_at_f16c(typingctx, b, k):
+    """The fp16 stored little-endian at byte ``k`` of ``b`` as float32
+    (``fpext``, vcvtph2ps: exact for every finite and infinite pattern)."""
+    if not isinstance(b, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        p = builder.gep(builder.bitcast(data, _I8.as_pointer()), [args[1]])
+        h = builder.load(builder.bitcast(p, ir.HalfType().as_pointer()), align=1)
+        return builder.fpext(h, ir.FloatType())
+
+    return types.float32(b, types.int64), codegen
+
+
+if _host_feature("f16c"):
+    f16_at = _f16_at_f16c
+else:
+    from fle_quant.quants.blocks_common import fp16_at as f16_at  # noqa: E402
