@@ -2,8 +2,9 @@
 # Set up FLE in ./.venv on a fresh machine (idempotent; a second run is quick).
 #   tools/setup.sh              the package, its console scripts and the test tools
 #   tools/setup.sh --reference  also transformers 5.23 and llama-cpp-python 0.3.36, the
-#                               neutral references
-#                               the reference tests compare against; it compiles from
+#                               neutral references the reference tests compare against,
+#                               and lm-evaluation-harness 0.4.13 (its API models), which
+#                               the server's reference tests run; llama-cpp-python compiles from
 #                               source once (~7 min on 2 cores) and the wheel is kept in
 #                               $FLE_WHEEL_CACHE (default ~/.cache/fle/wheels)
 set -euo pipefail
@@ -38,4 +39,7 @@ if [ "${1:-}" = "--reference" ]; then
     # transformers is the tie-breaker for qwen4exp outputs (reference tier only)
     .venv/bin/python -c "import transformers.models.qwen4_exp" 2>/dev/null \
         || $PIP install -q "transformers==5.23.0"
+    # lm-evaluation-harness, run against fle-engine serve (tests/test_server_lm_eval.py)
+    .venv/bin/python -c "import lm_eval, tenacity" 2>/dev/null \
+        || $PIP install -q "lm-eval[api]==${LM_EVAL_VERSION:-0.4.13}"
 fi
