@@ -109,10 +109,13 @@ def _check_open(request: web.Request) -> None:
         raise ApiError("the server is shutting down", 503, "unavailable_error")
 
 
-async def _generate(request: web.Request, jobs: list[Job], on_text: Callable[[int, str, list], Any]) -> list[Result]:
+async def _generate(request: web.Request, jobs: list[Job],
+                    on_text: Callable[[int, str, list], Any] | None) -> list[Result]:
     """Queue ``jobs`` (the ``n`` completions of one request) on the engine,
     awaiting ``on_text(index, piece, probs)`` for each piece of released
-    text. Stops the decode when the client goes away (seen between pieces,
+    text (None: an answer that is not streamed; the engine then hands over
+    nothing before the end, which spares the event loop a wake-up per
+    token). Stops the decode when the client goes away (seen between pieces,
     or by a periodic check while none come) or when ``on_text`` raises."""
     app = request.app
     engine = app[ENGINE]
@@ -122,7 +125,9 @@ async def _generate(request: web.Request, jobs: list[Job], on_text: Callable[[in
     if _client_gone(request):
         raise ConnectionResetError("the client went away")
 
-    def emitter(i: int) -> Callable[[str, list], None]:
+    def emitter(i: int) -> Callable[[str, list], None] | None:
+        if on_text is None:
+            return None
         return lambda piece, probs: loop.call_soon_threadsafe(queue.put_nowait, (i, piece, probs))
 
     cfuts = engine.submit_group(jobs, cancel, [emitter(i) for i in range(len(jobs))])
@@ -146,7 +151,8 @@ async def _generate(request: web.Request, jobs: list[Job], on_text: Callable[[in
             if _client_gone(request):
                 cancel.set()
                 raise ConnectionResetError("the client went away")
-            await on_text(*item)
+            if on_text is not None:
+                await on_text(*item)
         return [f.result() for f in futs]
     finally:
         cancel.set()
@@ -269,11 +275,7 @@ async def _run(request: web.Request, jobs: list[Job], on_text) -> list[Result]:
     _check_open(request)
     if jobs[0].n_predict == 0:     # llama-server: nothing to generate, an empty answer
         return [Result("", "length", len(j.prompt), 0) for j in jobs]
-
-    async def ignore(*_) -> None:
-        pass
-
-    return await _generate(request, jobs, on_text or ignore)
+    return await _generate(request, jobs, on_text)
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:

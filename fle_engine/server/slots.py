@@ -132,7 +132,7 @@ class Emit:
 class _Task:
     job: Job | None
     cancel: threading.Event
-    emit: Callable[[str, list], None]
+    emit: Callable[[str, list], None] | None      # None: nothing streamed, the text comes in the Result
     future: Future
     action: tuple | None = None          # (name, arg) for slot save / restore / erase
     slot: "Slot | None" = None
@@ -180,6 +180,7 @@ class Engine:
 
     ``submit(job, cancel, emit)`` queues a request and returns a Future of
     its :class:`Result`; ``run`` is the blocking form. ``emit(text, probs)``
+    (None for a request that is not streamed)
     is called from the worker thread as text is released."""
 
     def __init__(self, model, tokenizer, *, n_ctx: int, name: str, n_ctx_train: int | None = None,
@@ -243,7 +244,7 @@ class Engine:
             th.join()
         self._thread = None
 
-    def submit(self, job: Job, cancel: threading.Event, emit: Callable[[str, list], None]) -> Future:
+    def submit(self, job: Job, cancel: threading.Event, emit: Callable[[str, list], None] | None) -> Future:
         if job.id_slot >= self.n_parallel:
             raise FleError(f"id_slot {job.id_slot} does not exist; the server has {self.n_parallel} slots")
         return self._enqueue(_Task(job, cancel, emit, Future()))
@@ -255,7 +256,7 @@ class Engine:
         return self._enqueue(_Task(None, threading.Event(), lambda *_: None, Future(), action=(action, id_slot, arg)))
 
     def submit_group(self, jobs: list[Job], cancel: threading.Event,
-                     emits: list[Callable[[str, list], None]]) -> list[Future]:
+                     emits: list[Callable[[str, list], None] | None]) -> list[Future]:
         """``n`` completions of one prompt (llama-server's ``n`` / ``n_cmpl``):
         on the reference path they start together on ``n`` slots, the first
         computes the prompt and the others begin from a copy of its state;
@@ -625,7 +626,8 @@ class Engine:
             t.pieces.append(text)
             probs, t.unsent = t.unsent, []
             t.probs.extend(probs)
-            t.emit(text, probs)
+            if t.emit is not None:
+                t.emit(text, probs)
 
     def _step_generator(self, s: Slot) -> None:
         t = s.task
