@@ -3,8 +3,8 @@
 #   tools/setup.sh              the package, its console scripts and the test tools
 #   tools/setup.sh --reference  also transformers 5.23 and llama-cpp-python 0.3.36, the
 #                               neutral references the reference tests compare against,
-#                               and lm-evaluation-harness 0.4.13 (its API models), which
-#                               the server's reference tests run; llama-cpp-python compiles from
+#                               lm-evaluation-harness 0.4.13 (its API models) and playwright,
+#                               which the server's tests run; llama-cpp-python compiles from
 #                               source once (~7 min on 2 cores) and the wheel is kept in
 #                               $FLE_WHEEL_CACHE (default ~/.cache/fle/wheels)
 set -euo pipefail
@@ -42,4 +42,8 @@ if [ "${1:-}" = "--reference" ]; then
     # lm-evaluation-harness, run against fle-engine serve (tests/test_server_lm_eval.py)
     .venv/bin/python -c "import lm_eval, tenacity" 2>/dev/null \
         || $PIP install -q "lm-eval[api]==${LM_EVAL_VERSION:-0.4.13}"
+    # playwright drives the chat page in headless Chromium (tests/test_server_page.py); the browser
+    # is not fetched here: playwright's own (python -m playwright install chromium) or a system
+    # chromium / chromium-headless-shell is used, and the test skips when there is none
+    .venv/bin/python -c "import playwright" 2>/dev/null || $PIP install -q "playwright>=1.40"
 fi
