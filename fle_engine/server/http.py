@@ -165,6 +165,34 @@ async def _generate(request: web.Request, jobs: list[Job],
                     pass
 
 
+_INLINE_BYTES = 16384      # requests up to this size are prepared on the event loop
+
+
+async def _prepare(request: web.Request, fn, *args):
+    """``fn(*args)`` (tokenizing, rendering the template, building a grammar):
+    on the event loop for a small request, in a worker thread for a large
+    one. A thread hop costs a GIL hand-over each way while the decode thread
+    is busy (milliseconds each), which delays a small request's admission by
+    several decode rounds; a large one would stall the loop."""
+    n = request.content_length
+    if n is not None and n <= _INLINE_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _needs_thread(body: dict) -> bool:
+    """Whether building the request's jobs compiles a grammar (slow)."""
+    from . import grammar as G
+
+    return G.requested(body) is not None or body.get("tool_choice") not in (None, "auto", "none")
+
+
+async def _make_jobs(request: web.Request, opts, body: dict, engine: Engine, prompt: list[int], chat=None):
+    if _needs_thread(body):
+        return await asyncio.to_thread(_jobs, opts, body, engine, prompt, chat)
+    return _jobs(opts, body, engine, prompt, chat)
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
@@ -281,9 +309,9 @@ async def _run(request: web.Request, jobs: list[Job], on_text) -> list[Result]:
 async def handle_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await _json_body(request)
-    prompt = await asyncio.to_thread(_completion_prompt, body, engine)
+    prompt = await _prepare(request, _completion_prompt, body, engine)
     opts = _options(body, engine, len(prompt), "completion")
-    jobs = await asyncio.to_thread(_jobs, opts, body, engine, prompt)
+    jobs = await _make_jobs(request, opts, body, engine, prompt)
     want_probs = jobs[0].probs
     cid = _cmpl_id("cmpl-")
 
@@ -327,9 +355,9 @@ async def handle_native_completion(request: web.Request) -> web.StreamResponse:
     completion (``index``), as llama-server's."""
     engine = request.app[ENGINE]
     body = await _json_body(request)
-    prompt = await asyncio.to_thread(_completion_prompt, body, engine)
+    prompt = await _prepare(request, _completion_prompt, body, engine)
     opts = _options(body, engine, len(prompt), "native")
-    jobs = await asyncio.to_thread(_jobs, opts, body, engine, prompt)
+    jobs = await _make_jobs(request, opts, body, engine, prompt)
     want_probs = jobs[0].probs
     return_tokens = _json_field(body, "return_tokens", bool, False)
 
@@ -371,9 +399,9 @@ async def handle_native_completion(request: web.Request) -> web.StreamResponse:
 async def handle_chat(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await _json_body(request)
-    chat = await asyncio.to_thread(_chat_prompt, body, engine)
+    chat = await _prepare(request, _chat_prompt, body, engine)
     opts = _options(body, engine, len(chat.tokens), "chat")
-    jobs = await asyncio.to_thread(_jobs, opts, body, engine, chat.tokens, chat)
+    jobs = await _make_jobs(request, opts, body, engine, chat.tokens, chat)
     want_probs = jobs[0].probs
     cid = _cmpl_id("chatcmpl-")
     splits = [ReasoningStream(chat.thinking_open, chat.split_reasoning) for _ in jobs]
