@@ -211,32 +211,26 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-server", required=True, help="path of a llama-server executable")
-    ap.add_argument("--arch", default="qwen3moe")
-    ap.add_argument("--ctx", type=int, default=1024, help="--ctx-size of both servers (2 slots)")
-    ap.add_argument("--markdown", help="write the table here")
-    ap.add_argument("--json", help="write the comparison here")
-    args = ap.parse_args()
+def run(llama_server: str, arch: str = "qwen3moe", ctx: int = 1024) -> list[dict]:
+    """Both servers on one factory model, the request set sent to each: the
+    comparison rows."""
     with tempfile.TemporaryDirectory() as d:
-        model = make_model(Path(d) / "m.gguf", args.arch, mix="f32")
+        model = make_model(Path(d) / "m.gguf", arch, mix="f32")
         pl, pf = free_port(), free_port()
         procs = []
         try:
-            procs.append(subprocess.Popen([args.llama_server, "-m", str(model), "--port", str(pl), "-c", str(args.ctx),
+            procs.append(subprocess.Popen([llama_server, "-m", str(model), "--port", str(pl), "-c", str(ctx),
                                            "-np", "2", "-t", "1", "--host", "127.0.0.1", "--alias", "m"],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             procs.append(subprocess.Popen([sys.executable, "-m", "fle_engine.cli", "serve", str(model), "--port",
-                                           str(pf), "-c", str(args.ctx), "-np", "2", "-t", "1", "--alias", "m"],
+                                           str(pf), "-c", str(ctx), "-np", "2", "-t", "1", "--alias", "m"],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           env=dict(os.environ, PYTHONUNBUFFERED="1")))
             bl, bf = f"http://127.0.0.1:{pl}", f"http://127.0.0.1:{pf}"
             wait_up(bl, procs[0])
             wait_up(bf, procs[1])
-            rows = []
-            for name, method, path, body, stream in REQUESTS:
-                rows.append(compare(send(bl, method, path, body, stream), send(bf, method, path, body, stream), name))
+            return [compare(send(bl, method, path, body, stream), send(bf, method, path, body, stream), name)
+                    for name, method, path, body, stream in REQUESTS]
         finally:
             for p in procs:
                 p.send_signal(signal.SIGTERM)
@@ -245,6 +239,17 @@ def main() -> int:
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", required=True, help="path of a llama-server executable")
+    ap.add_argument("--arch", default="qwen3moe")
+    ap.add_argument("--ctx", type=int, default=1024, help="--ctx-size of both servers (2 slots)")
+    ap.add_argument("--markdown", help="write the table here")
+    ap.add_argument("--json", help="write the comparison here")
+    args = ap.parse_args()
+    rows = run(args.llama_server, args.arch, args.ctx)
     table = markdown(rows)
     print(table)
     for r in rows:
