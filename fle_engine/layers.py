@@ -88,14 +88,17 @@ def live_view(cache, n: int):
     return cache
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, cache: AttnCache, positions: Tensor, scale: float) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, cache: AttnCache, positions: Tensor, scale: float,
+              ends_here: bool = False) -> Tensor:
     """Causal GQA attention of T new tokens against the cache.
 
     ``q`` [T, H, Dh]; ``k``, ``v`` [T, Hkv, Dh] are written into ``cache`` at
     ``positions`` [T] (device, int64) first. Scores cover all P cache slots
     (static shapes) and a slot counts only if it is at or before the
     query's position; query head h reads KV head h // (H / Hkv) as ggml's
-    broadcast does. Returns [T, H * Dh]."""
+    broadcast does. ``ends_here``: the cache is a :func:`live_view` ending at
+    the last new token, so one new token sees every slot and needs no mask
+    (a batched decode step). Returns [T, H * Dh]."""
     cache.k.index_copy_(1, positions, k.transpose(0, 1).to(cache.k.dtype))
     cache.v.index_copy_(1, positions, v.transpose(0, 1).to(cache.v.dtype))
     n_tok, n_head, dh = q.shape
@@ -103,9 +106,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cache: AttnCache, positions: Tens
     group = n_head // n_kv
     qh = q.reshape(n_tok, n_kv, group, dh).permute(1, 2, 0, 3).to(cache.k.dtype)  # [Hkv, G, T, Dh]
     scores = torch.matmul(qh, cache.k[:, None].transpose(-1, -2)) * scale      # [Hkv, G, T, P]
-    slots = torch.arange(n_pos, device=positions.device)
-    visible = slots[None, :] <= positions[:, None]                            # [T, P]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    if not (ends_here and n_tok == 1):
+        slots = torch.arange(n_pos, device=positions.device)
+        visible = slots[None, :] <= positions[:, None]                        # [T, P]
+        scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(cache.v.dtype)
     out = torch.matmul(probs, cache.v[:, None])                                # [Hkv, G, T, Dh]
     return out.permute(2, 0, 1, 3).reshape(n_tok, n_head * dh).to(q.dtype)

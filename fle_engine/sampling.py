@@ -111,6 +111,20 @@ def _desc(x: np.ndarray) -> np.ndarray:
     return np.argsort(-x, kind="stable")
 
 
+def _top_desc(x: np.ndarray, k: int) -> np.ndarray:
+    """``_desc(x)[:k]`` (descending, ties by index) without sorting the
+    whole row: the k largest by a partition, then only those sorted. A
+    full stable sort of a 150k vocabulary costs ~20 ms a token; this ~1 ms."""
+    n = x.size
+    if k >= n or k <= 0 or 4 * k > n or np.isnan(x).any():
+        return _desc(x)[:k]
+    v = x[np.argpartition(-x, k - 1)[k - 1]]                # the k-th largest value
+    above = np.flatnonzero(x > v)
+    ties = np.flatnonzero(x == v)[:k - above.size]          # the lowest indices among the ties
+    cand = np.concatenate([above, ties])
+    return cand[np.argsort(-x[cand], kind="stable")]
+
+
 def _softmax_f32(x: np.ndarray, is_sorted: bool) -> np.ndarray:
     top = x[0] if is_sorted else x.max()
     p = np.exp(x - top)
@@ -126,7 +140,7 @@ def filter_candidates(logits: np.ndarray, params: SamplerParams) -> tuple[np.nda
     is_sorted = False
     if params.top_k > 0:
         k = min(params.top_k, x.size)
-        order = _desc(x)[:k]
+        order = _top_desc(x, k)
         ids, x, is_sorted = ids[order], x[order], True
     if params.top_p < 1.0:
         p = _softmax_f32(x, is_sorted)

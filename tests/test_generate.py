@@ -260,3 +260,23 @@ def test_same_tokens_as_llama_cpp_sampler_chain():
         finally:
             llama_cpp.llama_sampler_free(chain)
     assert total == 40 * len(cases)
+
+
+@pytest.mark.parametrize("kind", ["normal", "few values", "masked", "flat"])
+def test_top_k_by_partition_equals_the_full_stable_sort(kind):
+    """top-k picks its candidates with a partition instead of sorting the
+    whole vocabulary; the order (ties by token id) must be the full sort's."""
+    from fle_engine.sampling import _desc, _top_desc
+
+    rng = np.random.default_rng({"normal": 0, "few values": 1, "masked": 2, "flat": 3}[kind])
+    for _ in range(300):
+        n, k = int(rng.integers(1, 4000)), int(rng.integers(1, 80))
+        if kind == "normal":
+            x = rng.standard_normal(n).astype(np.float32)
+        elif kind == "few values":
+            x = rng.integers(-3, 3, n).astype(np.float32)         # ties across the k-th place
+        elif kind == "masked":
+            x = np.where(rng.random(n) < 0.7, -np.inf, rng.integers(0, 4, n)).astype(np.float32)
+        else:
+            x = np.zeros(n, np.float32)
+        assert np.array_equal(_top_desc(x, k), _desc(x)[:k]), (n, k)

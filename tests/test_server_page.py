@@ -247,3 +247,90 @@ def test_page_script_runs_a_chat_in_node(engine, tmp_path):
         assert parts["content"]["text"] == "It is 4."
         assert parts["stats"]["text"].startswith("stop · ") and " tokens" in parts["stats"]["text"]
         assert "error" not in parts
+
+
+# ---------------------------------------------------------------- in a real browser
+
+
+async def _launch(pw):
+    """Playwright's own Chromium, else a system one (chromium-headless-shell,
+    chromium); None when there is none."""
+    try:
+        return await pw.chromium.launch()
+    except Exception:  # noqa: BLE001 - no browser of playwright's own
+        pass
+    for name in ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome"):
+        exe = shutil.which(name)
+        if exe:
+            try:
+                return await pw.chromium.launch(executable_path=exe)
+            except Exception:  # noqa: BLE001 - try the next one
+                continue
+    return None
+
+
+_WATCH = """() => {
+  window.__seen = [];
+  new MutationObserver(() => {
+    const m = document.querySelectorAll('.msg.assistant');
+    if (!m.length) return;
+    const last = m[m.length - 1];
+    window.__seen.push([last.querySelector('.reasoning .text').textContent,
+                        last.querySelector('.content').textContent]);
+  }).observe(document.getElementById('log'), {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def test_page_in_headless_chromium(model_path):
+    """The page in headless Chromium against a served scripted model that
+    reasons, then answers (a token every 30 ms): a message typed and sent
+    comes back streamed (the text grows in several steps), the reasoning in
+    its own block apart from the answer. Skipped without playwright or a
+    Chromium."""
+    pw_api = pytest.importorskip("playwright.async_api")
+    eng, _ = chat_engine(fle_engine.load(model_path), model_path, "Let me add.\n</think>\n\nIt is 4.",
+                         THINKING_TEMPLATE, delay=0.03)
+
+    async def fn(client):
+        base = str(client.make_url("/"))
+        async with pw_api.async_playwright() as pw:
+            browser = await _launch(pw)
+            if browser is None:
+                return None
+            try:
+                page = await browser.new_page()
+                await page.goto(base)
+                await page.wait_for_function("document.getElementById('model').textContent.length > 0")
+                model = await page.text_content("#model")
+                await page.evaluate(_WATCH)
+                await page.fill("#input", "2+2?")
+                await page.click("#send")
+                await page.wait_for_function(
+                    "() => { const c = document.querySelectorAll('.msg.assistant .content');"
+                    " return c.length && c[c.length - 1].textContent === 'It is 4.'"
+                    " && !document.getElementById('send').disabled; }", timeout=60000)
+                got = await page.evaluate(
+                    "() => { const m = document.querySelector('.msg.assistant');"
+                    " const r = m.querySelector('.reasoning');"
+                    " return {reasoning: m.querySelector('.reasoning .text').textContent,"
+                    " hidden: r.hidden, content: m.querySelector('.content').textContent,"
+                    " user: document.querySelector('.msg.user .content').textContent,"
+                    " seen: window.__seen}; }")
+                return model, got
+            finally:
+                await browser.close()
+
+    out = call(eng, fn)
+    if out is None:
+        pytest.skip("no Chromium for playwright (python -m playwright install chromium, or a system chromium)")
+    model, got = out
+    assert model == eng.name
+    assert got["user"] == "2+2?"
+    assert got["reasoning"] == "Let me add." and got["hidden"] is False
+    assert got["content"] == "It is 4."                  # the reasoning is not in the answer
+    contents = [c for _, c in got["seen"]]
+    reasonings = [r for r, _ in got["seen"]]
+    assert len({c for c in contents if c}) >= 3, contents   # the answer grew piece by piece
+    assert all("It is 4.".startswith(c) for c in contents)
+    assert len({r for r in reasonings if r}) >= 3, reasonings
+    assert all("Let me add.".startswith(r) for r in reasonings)

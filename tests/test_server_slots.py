@@ -342,3 +342,99 @@ def test_mixed_load_no_leaks_no_errors(factory):
     bad, health = call(eng, fn)
     assert bad == {"errors": 0, "leaks": 0, "answered": 32, "refused": 3}
     assert health == 200
+
+
+# ---------------------------------------------------------------- n > 1 (llama-server's n / n_cmpl)
+
+
+def sse(raw: bytes) -> list[dict]:
+    parts = raw.decode().split("\n\n")
+    return [json.loads(p[len("data: "):]) for p in parts if p.startswith("data: ") and p != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_n_completions_share_one_prompt_computation(factory, arch):
+    """n = 2: two choices (index 0 and 1) decoded at once on two slots, the
+    prompt computed once and copied (recurrent state included), each equal to
+    a cold run; usage counts the prompt once and both answers."""
+    m, tok = factory[arch]
+    eng = Engine(m, tok, n_ctx=256, name="t", n_parallel=2)
+    prompt = "the lamp and the stone by the river"
+    ids = tok.encode(prompt, add_special=True, parse_special=True)
+    want = tok.decode(cold(m, tok, ids, 12, ignore_eos=True))
+
+    async def fn(client):
+        r = await client.post("/v1/completions", json={"prompt": prompt, "n": 2, "max_tokens": 12,
+                                                       "temperature": 0, "ignore_eos": True})
+        return r.status, await r.json()
+
+    p0, r0 = eng.n_prompt_total, eng.n_rounds
+    status, j = call(eng, fn)
+    assert status == 200, j
+    assert [c["index"] for c in j["choices"]] == [0, 1]
+    assert [c["text"] for c in j["choices"]] == [want, want]
+    assert j["usage"]["prompt_tokens"] == len(ids) and j["usage"]["completion_tokens"] == 24
+    assert eng.n_prompt_total - p0 == len(ids)          # not 2 x the prompt
+    assert eng.n_rounds - r0 < 12 + 12                  # decoded together
+
+
+def test_n_completions_sample_with_seed_plus_index(factory):
+    """With a seed, completion i samples as a single request with seed + i
+    would; chat answers are streamed with their index."""
+    m, tok = factory["qwen3moe"]
+    eng = Engine(m, tok, n_ctx=256, name="t", n_parallel=2)
+    msgs = [{"role": "user", "content": "tell me of the river"}]
+    base = {"messages": msgs, "max_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+            "ignore_eos": True}
+
+    async def fn(client):
+        singles = []
+        for seed in (7, 8):
+            r = await client.post("/v1/chat/completions", json={**base, "seed": seed})
+            singles.append((await r.json())["choices"][0]["message"]["content"])
+        r = await client.post("/v1/chat/completions", json={**base, "seed": 7, "n": 2})
+        both = await r.json()
+        r = await client.post("/v1/chat/completions", json={**base, "seed": 7, "n": 2, "stream": True,
+                                                            "stream_options": {"include_usage": True}})
+        return singles, both, await r.read()
+
+    singles, both, raw = call(eng, fn)
+    assert singles[0] != singles[1]                     # the seeds matter, so the check below can fail
+    assert [c["message"]["content"] for c in both["choices"]] == singles
+    assert [c["index"] for c in both["choices"]] == [0, 1]
+    streamed = {0: "", 1: ""}
+    finish = {}
+    evs = sse(raw)
+    for ev in evs:
+        for c in ev["choices"]:
+            streamed[c["index"]] += c["delta"].get("content") or ""
+            if c["finish_reason"]:
+                finish[c["index"]] = c["finish_reason"]
+    assert [streamed[0], streamed[1]] == singles
+    assert finish == {0: "length", 1: "length"}
+    assert evs[-1]["choices"] == [] and evs[-1]["usage"]["completion_tokens"] == 32
+
+
+def test_n_is_bounded_by_the_slots_and_native_answers_an_array(factory):
+    m, tok = factory["qwen3moe"]
+    eng = Engine(m, tok, n_ctx=256, name="t", n_parallel=2)
+
+    async def fn(client):
+        out = []
+        for body in ({"prompt": "x", "n": 3}, {"prompt": "x", "n": 0}, {"prompt": "x", "n": 1.5}):
+            r = await client.post("/v1/completions", json=body)
+            out.append((r.status, (await r.json())["error"]["message"]))
+        r = await client.post("/completion", json={"prompt": "the river", "n_cmpl": 2, "n_predict": 5,
+                                                   "temperature": 0, "ignore_eos": True})
+        out.append((r.status, await r.json()))
+        h = await client.get("/health")
+        return out, h.status
+
+    out, health = call(eng, fn)
+    for status, msg in out[:3]:
+        assert status == 400 and "'n'" in msg, msg
+    status, arr = out[3]
+    assert status == 200 and isinstance(arr, list) and [a["index"] for a in arr] == [0, 1]
+    assert arr[0]["content"] == arr[1]["content"] and arr[0]["tokens_predicted"] == 5
+    assert {a["id_slot"] for a in arr} == {0, 1}
+    assert health == 200

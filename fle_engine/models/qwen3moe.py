@@ -161,7 +161,7 @@ class Attention(nn.Module):
         v = F.linear(x, self.wv).view(n_tok, a.n_head_kv, a.head_dim)
         q = L.apply_rope_neox(L.rms_norm(q, self.q_norm, a.eps), cos, sin)
         k = L.apply_rope_neox(L.rms_norm(k, self.k_norm, a.eps), cos, sin)
-        out = torch.cat([L.attention(qi, ki, vi, c, r[0], a.head_dim ** -0.5) for qi, ki, vi, c, r in
+        out = torch.cat([L.attention(qi, ki, vi, c, r[0], a.head_dim ** -0.5, ends_here=True) for qi, ki, vi, c, r in
                          zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, rots)])
         return F.linear(out, self.wo)
 

@@ -122,7 +122,7 @@ class GatedAttention(nn.Module):
         v = F.linear(x, self.wv).view(n_tok, a.n_head_kv, hd)
         q = L.apply_rope_neox(L.rms_norm(q, self.q_norm, a.eps), cos, sin)
         k = L.apply_rope_neox(L.rms_norm(k, self.k_norm, a.eps), cos, sin)
-        out = torch.cat([L.attention(qi, ki, vi, c, r[0], a.attn_scale) for qi, ki, vi, c, r in
+        out = torch.cat([L.attention(qi, ki, vi, c, r[0], a.attn_scale, ends_here=True) for qi, ki, vi, c, r in
                          zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, rots)])
         out = out * torch.sigmoid(gate.reshape(n_tok, a.n_head * hd))
         return F.linear(out, self.wo)

@@ -270,23 +270,37 @@ class GatedDeltaNet(nn.Module):
         self.a = a
 
     def forward(self, x: Tensor, state: L.GDNState) -> Tensor:
+        return self.forward_batch(x, [x.shape[0]], [state])
+
+    def forward_batch(self, x: Tensor, sizes: list[int], states: list[L.GDNState]) -> Tensor:
+        """Several sequences' tokens ``x`` (concatenated, ``sizes`` each):
+        projections, norms and gates on all of them at once, the causal conv
+        and the delta rule per sequence on its own state."""
         a = self.a
         n_tok, dk, nk, nv = x.shape[0], a.d_state, a.n_k_heads, a.n_v_heads
         z = F.linear(x, self.wz).view(n_tok, nv, dk)
         beta = torch.sigmoid(F.linear(x, self.wb))                      # [T, Hv]
         g = F.softplus(F.linear(x, self.wa) + self.dt_bias) * self.ssm_a
-        conv, new_conv = L.causal_conv1d(F.linear(x, self.wqkv), state.conv, self.conv)
-        state.conv.copy_(new_conv)
-        conv = F.silu(conv)
+        convs = []
+        for xi, st in zip(F.linear(x, self.wqkv).split(sizes), states):
+            c, new_conv = L.causal_conv1d(xi, st.conv, self.conv)
+            st.conv.copy_(new_conv)
+            convs.append(c)
+        conv = F.silu(convs[0] if len(convs) == 1 else torch.cat(convs))
         q = conv[:, :dk * nk].view(n_tok, nk, dk)
         k = conv[:, dk * nk:2 * dk * nk].view(n_tok, nk, dk)
         v = conv[:, 2 * dk * nk:].view(n_tok, nv, dk)
         # V head j reads K head j mod n_k: the converter stores V heads in tiled order
         q = L.l2_norm(q, a.eps).repeat(1, nv // nk, 1)
         k = L.l2_norm(k, a.eps).repeat(1, nv // nk, 1)
-        rule = L.gdn_recurrent if n_tok == 1 else L.gdn_chunked
-        o, s = rule(q, k, v, g, beta, state.ssm)
-        state.ssm.copy_(s)
+        outs = []
+        for qi, ki, vi, gi, bi, st in zip(q.split(sizes), k.split(sizes), v.split(sizes), g.split(sizes),
+                                          beta.split(sizes), states):
+            rule = L.gdn_recurrent if qi.shape[0] == 1 else L.gdn_chunked
+            o, s = rule(qi, ki, vi, gi, bi, st.ssm)
+            st.ssm.copy_(s)
+            outs.append(o)
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
         o = L.rms_norm(o.to(x.dtype), self.norm, a.eps) * torch.sigmoid(z)
         return F.linear(o.reshape(n_tok, nv * dk), self.wout)
 
@@ -357,22 +371,36 @@ class QSAttention(nn.Module):
 
     def forward(self, x: Tensor, cache: QSACache, positions: Tensor, cos: Tensor, sin: Tensor,
                 tab_cos: Tensor, tab_sin: Tensor) -> Tensor:
+        return self.forward_batch(x, [x.shape[0]], [cache], [(positions, cos, sin)], [(tab_cos, tab_sin)])
+
+    def forward_batch(self, x: Tensor, sizes: list[int], caches: list, rots: list, tabs: list) -> Tensor:
+        """Several sequences' tokens ``x`` (concatenated, ``sizes`` each):
+        projections, norms, rotary and the output gate on all of them at
+        once; the indexer's selection and the attention per sequence
+        against its cache. ``rots[i]`` = (positions, cos, sin) of sequence
+        i's new tokens, ``tabs[i]`` = its whole rotary table (cos, sin)."""
         a = self.a
         n_tok, hd = x.shape[0], a.head_dim
+        cos = rots[0][1] if len(rots) == 1 else torch.cat([r[1] for r in rots])
+        sin = rots[0][2] if len(rots) == 1 else torch.cat([r[2] for r in rots])
         qg = F.linear(x, self.wq).view(n_tok, a.n_head, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
         k = F.linear(x, self.wk).view(n_tok, a.n_head_kv, hd)
         v = F.linear(x, self.wv).view(n_tok, a.n_head_kv, hd)
         q = L.apply_rope_neox(L.rms_norm(q, self.q_norm, a.eps), cos, sin)
         k = L.apply_rope_neox(L.rms_norm(k, self.k_norm, a.eps), cos, sin)
-        slots = torch.arange(cache.k.shape[1], device=x.device)
-        if self.ratio and not self.dense:
-            keep = self.select(x, cache, positions, cos, sin, tab_cos, tab_sin)
-        else:
-            if self.ratio:   # keep the indexer cache current so the ablation can be switched per call
-                cache.idx.index_copy_(0, positions, F.linear(x, self.idx_k).to(cache.idx.dtype))
-            keep = slots[None, :] <= positions[:, None]
-        out = masked_attention(q, k, v, cache, positions, keep, a.attn_scale)
+        outs = []
+        for xi, qi, ki, vi, cache, (positions, ci, si), (tab_cos, tab_sin) in zip(
+                x.split(sizes), q.split(sizes), k.split(sizes), v.split(sizes), caches, rots, tabs):
+            if self.ratio and not self.dense:
+                keep = self.select(xi, cache, positions, ci, si, tab_cos, tab_sin)
+            else:
+                if self.ratio:   # keep the indexer cache current so the ablation can be switched per call
+                    cache.idx.index_copy_(0, positions, F.linear(xi, self.idx_k).to(cache.idx.dtype))
+                slots = torch.arange(cache.k.shape[1], device=x.device)
+                keep = slots[None, :] <= positions[:, None]
+            outs.append(masked_attention(qi, ki, vi, cache, positions, keep, a.attn_scale))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = out * torch.sigmoid(gate.reshape(n_tok, a.n_head * hd))
         return F.linear(out, self.wo)
 
@@ -486,17 +514,18 @@ class Block(nn.Module):
 
     def forward_batch(self, res: Tensor, sizes: list[int], tokens: list[Tensor], caches: list,
                       states: list[State], rots: list) -> Tensor:
-        """Several sequences' tokens at once: PLE and the mixer per sequence
-        (their carried state), the hyper-connections and the MoE on all."""
+        """Several sequences' tokens at once: PLE per sequence (its token
+        history), the mixer's projections on all tokens and its core per
+        sequence (see the mixers' ``forward_batch``), the hyper-connections
+        and the MoE on all."""
         if self.ple is not None and not self.skip_ple:
             res = torch.cat([self.ple(r, t, s.ple) for r, t, s in zip(res.split(sizes), tokens, states)])
         x, inject = self.hc_attn(res)
-        xs = x.split(sizes)
         if self.recurrent:
-            outs = [self.mixer(xi, c) for xi, c in zip(xs, caches)]
+            out = self.mixer.forward_batch(x, sizes, caches)
         else:
-            outs = [self.mixer(xi, c, *r, s.rope_cos, s.rope_sin) for xi, c, r, s in zip(xs, caches, rots, states)]
-        res = hc_write(res, torch.cat(outs), inject, self.plain_write)
+            out = self.mixer.forward_batch(x, sizes, caches, rots, [(s.rope_cos, s.rope_sin) for s in states])
+        res = hc_write(res, out, inject, self.plain_write)
         x, inject = self.hc_ffn(res)
         return hc_write(res, self.moe.forward_batch(x), inject, self.plain_write)
 

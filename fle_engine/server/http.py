@@ -9,6 +9,7 @@ at ``/`` wants ``Authorization: Bearer KEY`` (or ``X-Api-Key``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import string
@@ -108,11 +109,14 @@ def _check_open(request: web.Request) -> None:
         raise ApiError("the server is shutting down", 503, "unavailable_error")
 
 
-async def _generate(request: web.Request, job: Job, on_text: Callable[[str, list], Any]) -> Result:
-    """Queue ``job`` on the engine, awaiting ``on_text(piece, probs)`` for
-    each piece of released text. Stops the decode when the client goes away
-    (seen between pieces, or by a periodic check while none come) or when
-    ``on_text`` raises."""
+async def _generate(request: web.Request, jobs: list[Job],
+                    on_text: Callable[[int, str, list], Any] | None) -> list[Result]:
+    """Queue ``jobs`` (the ``n`` completions of one request) on the engine,
+    awaiting ``on_text(index, piece, probs)`` for each piece of released
+    text (None: an answer that is not streamed; the engine then hands over
+    nothing before the end, which spares the event loop a wake-up per
+    token). Stops the decode when the client goes away (seen between pieces,
+    or by a periodic check while none come) or when ``on_text`` raises."""
     app = request.app
     engine = app[ENGINE]
     loop = asyncio.get_running_loop()
@@ -121,16 +125,20 @@ async def _generate(request: web.Request, job: Job, on_text: Callable[[str, list
     if _client_gone(request):
         raise ConnectionResetError("the client went away")
 
-    def emit(piece: str, probs: list) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (piece, probs))
+    def emitter(i: int) -> Callable[[str, list], None] | None:
+        if on_text is None:
+            return None
+        return lambda piece, probs: loop.call_soon_threadsafe(queue.put_nowait, (i, piece, probs))
 
-    cfut = engine.submit(job, cancel, emit)
-    fut = asyncio.wrap_future(cfut)
-    # the emits were scheduled before the result was set, so this comes last
-    fut.add_done_callback(lambda _: loop.call_soon(queue.put_nowait, None))
+    cfuts = engine.submit_group(jobs, cancel, [emitter(i) for i in range(len(jobs))])
+    futs = [asyncio.wrap_future(f) for f in cfuts]
+    for fut in futs:
+        # a job's emits were scheduled before its result was set, so its end marker comes after them
+        fut.add_done_callback(lambda _: loop.call_soon(queue.put_nowait, None))
     app[ACTIVE].add(cancel)
     try:
-        while True:
+        left = len(futs)
+        while left:
             try:
                 item = await asyncio.wait_for(queue.get(), 0.25)
             except asyncio.TimeoutError:
@@ -138,20 +146,51 @@ async def _generate(request: web.Request, job: Job, on_text: Callable[[str, list
                     cancel.set()
                 continue
             if item is None:
-                break
+                left -= 1
+                continue
             if _client_gone(request):
                 cancel.set()
                 raise ConnectionResetError("the client went away")
-            await on_text(*item)
-        return fut.result()
+            if on_text is not None:
+                await on_text(*item)
+        return [f.result() for f in futs]
     finally:
         cancel.set()
         app[ACTIVE].discard(cancel)
-        if not fut.done():
-            try:
-                await asyncio.shield(fut)
-            except BaseException:  # noqa: BLE001 - not this path's to report
-                pass
+        for fut in futs:
+            if not fut.done():
+                try:
+                    await asyncio.shield(fut)
+                except BaseException:  # noqa: BLE001 - not this path's to report
+                    pass
+
+
+_INLINE_BYTES = 16384      # requests up to this size are prepared on the event loop
+
+
+async def _prepare(request: web.Request, fn, *args):
+    """``fn(*args)`` (tokenizing, rendering the template, building a grammar):
+    on the event loop for a small request, in a worker thread for a large
+    one. A thread hop costs a GIL hand-over each way while the decode thread
+    is busy (milliseconds each), which delays a small request's admission by
+    several decode rounds; a large one would stall the loop."""
+    n = request.content_length
+    if n is not None and n <= _INLINE_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _needs_thread(body: dict) -> bool:
+    """Whether building the request's jobs compiles a grammar (slow)."""
+    from . import grammar as G
+
+    return G.requested(body) is not None or body.get("tool_choice") not in (None, "auto", "none")
+
+
+async def _make_jobs(request: web.Request, opts, body: dict, engine: Engine, prompt: list[int], chat=None):
+    if _needs_thread(body):
+        return await asyncio.to_thread(_jobs, opts, body, engine, prompt, chat)
+    return _jobs(opts, body, engine, prompt, chat)
 
 
 def _sse(obj: Any) -> bytes:
@@ -238,51 +277,72 @@ def _oai_logprobs(engine: Engine, probs: list[TokenProb], legacy: bool, offset: 
 # ---------------------------------------------------------------- completions
 
 
-async def _run(request: web.Request, job: Job, on_text) -> Result:
+def _jobs(opts, body: dict, engine: Engine, prompt: list[int], chat=None) -> list[Job]:
+    """The request's ``n`` jobs: the same prompt and settings, each with its
+    own grammar matcher; with a seed, completion ``i`` samples with seed + i
+    (llama-server's rule)."""
+    jobs = []
+    for i in range(opts.n):
+        job = dataclasses.replace(opts.job, prompt=prompt, constraint=_constraint(body, engine, chat))
+        if i and job.params.seed is not None:
+            job.params = dataclasses.replace(job.params, seed=(job.params.seed + i) & 0xFFFFFFFF)
+        jobs.append(job)
+    return jobs
+
+
+def _usage(results: list[Result]) -> dict:
+    """The usage of ``n`` completions: the prompt once, every completion's tokens."""
+    u = results[0].usage()
+    if len(results) > 1:
+        done = sum(r.n_generated for r in results)
+        u["completion_tokens"], u["total_tokens"] = done, u["prompt_tokens"] + done
+    return u
+
+
+async def _run(request: web.Request, jobs: list[Job], on_text) -> list[Result]:
     _check_open(request)
-    if job.n_predict == 0:     # llama-server: nothing to generate, an empty answer
-        return Result("", "length", len(job.prompt), 0)
-
-    async def ignore(*_) -> None:
-        pass
-
-    return await _generate(request, job, on_text or ignore)
+    if jobs[0].n_predict == 0:     # llama-server: nothing to generate, an empty answer
+        return [Result("", "length", len(j.prompt), 0) for j in jobs]
+    return await _generate(request, jobs, on_text)
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await _json_body(request)
-    prompt = await asyncio.to_thread(_completion_prompt, body, engine)
+    prompt = await _prepare(request, _completion_prompt, body, engine)
     opts = _options(body, engine, len(prompt), "completion")
-    job = opts.job
-    job.prompt = prompt
-    job.constraint = await asyncio.to_thread(_constraint, body, engine, None)
+    jobs = await _make_jobs(request, opts, body, engine, prompt)
+    want_probs = jobs[0].probs
     cid = _cmpl_id("cmpl-")
 
-    def final(res: Result, text: str, probs: list | None) -> dict:
-        lp = _oai_logprobs(engine, probs, True) if job.probs and probs is not None else None
-        return {**_head(engine, cid, "text_completion"),
-                "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": res.finish_reason}],
-                "usage": res.usage(), "timings": res.timings()}
+    def choice(i: int, res: Result, text: str, probs: list | None) -> dict:
+        lp = _oai_logprobs(engine, probs, True) if want_probs and probs is not None else None
+        return {"text": text, "index": i, "logprobs": lp, "finish_reason": res.finish_reason}
 
     if not opts.stream:
         try:
-            res = await _run(request, job, None)
+            results = await _run(request, jobs, None)
         except ConnectionResetError:   # nobody is left to read an answer
             return web.Response(status=499, reason="Client Closed Request")
-        return web.json_response(final(res, res.text, res.probs))
+        return web.json_response({**_head(engine, cid, "text_completion"),
+                                  "choices": [choice(i, r, r.text, r.probs) for i, r in enumerate(results)],
+                                  "usage": _usage(results), "timings": results[0].timings()})
     resp = await _stream(request)
-    sent = [0]
+    sent = [0] * len(jobs)
 
-    async def send(piece: str, probs: list) -> None:
-        lp = _oai_logprobs(engine, probs, True, sent[0]) if job.probs else None
-        sent[0] += len(piece)
+    async def send(i: int, piece: str, probs: list) -> None:
+        lp = _oai_logprobs(engine, probs, True, sent[i]) if want_probs else None
+        sent[i] += len(piece)
         await resp.write(_sse({**_head(engine, cid, "text_completion"),
-                               "choices": [{"text": piece, "index": 0, "logprobs": lp, "finish_reason": None}]}))
+                               "choices": [{"text": piece, "index": i, "logprobs": lp, "finish_reason": None}]}))
 
     async def body_() -> None:
-        res = await _run(request, job, send)
-        await resp.write(_sse(final(res, "", None)))
+        results = await _run(request, jobs, send)
+        for i, res in enumerate(results):
+            last = {**_head(engine, cid, "text_completion"), "choices": [choice(i, res, "", None)]}
+            if i == len(results) - 1:
+                last.update(usage=_usage(results), timings=results[0].timings())
+            await resp.write(_sse(last))
 
     return await _streaming(resp, body_)
 
@@ -290,45 +350,48 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
 async def handle_native_completion(request: web.Request) -> web.StreamResponse:
     """llama-server's ``/completion``: ``content``, ``stop``, ``tokens_cached``,
     ``completion_probabilities`` with ``n_probs``; streamed events carry
-    ``content`` pieces and end with the full record (no ``[DONE]``)."""
+    ``content`` pieces and end with the full record (no ``[DONE]``). With
+    ``n_cmpl`` / ``n`` > 1 the answer is an array of records, one per
+    completion (``index``), as llama-server's."""
     engine = request.app[ENGINE]
     body = await _json_body(request)
-    prompt = await asyncio.to_thread(_completion_prompt, body, engine)
+    prompt = await _prepare(request, _completion_prompt, body, engine)
     opts = _options(body, engine, len(prompt), "native")
-    job = opts.job
-    job.prompt = prompt
-    job.constraint = await asyncio.to_thread(_constraint, body, engine, None)
+    jobs = await _make_jobs(request, opts, body, engine, prompt)
+    want_probs = jobs[0].probs
     return_tokens = _json_field(body, "return_tokens", bool, False)
 
-    def record(res: Result, content: str, probs: list | None) -> dict:
-        out = {"index": 0, "content": content, "tokens": res.tokens if return_tokens else [],
+    def record(i: int, res: Result, content: str, probs: list | None) -> dict:
+        out = {"index": i, "content": content, "tokens": res.tokens if return_tokens else [],
                "id_slot": res.id_slot, "stop": True, "model": engine.name,
                "tokens_predicted": res.n_generated, "tokens_evaluated": res.n_prompt,
                "tokens_cached": res.n_cached + res.n_generated,
                "truncated": False, "stop_type": ("word" if res.stop_word else "eos" if res.finish_reason == "stop"
                                                  else "limit" if res.finish_reason == "length" else "none"),
                "stopping_word": res.stop_word or "", "timings": res.timings()}
-        if job.probs and probs is not None:
+        if want_probs and probs is not None:
             out["completion_probabilities"] = [_prob_entry(engine, p) for p in probs]
         return out
 
     if not opts.stream:
         try:
-            res = await _run(request, job, None)
+            results = await _run(request, jobs, None)
         except ConnectionResetError:
             return web.Response(status=499, reason="Client Closed Request")
-        return web.json_response(record(res, res.text, res.probs))
+        records = [record(i, r, r.text, r.probs) for i, r in enumerate(results)]
+        return web.json_response(records[0] if len(records) == 1 else records)
     resp = await _stream(request)
 
-    async def send(piece: str, probs: list) -> None:
-        ev = {"index": 0, "content": piece, "stop": False, "id_slot": -1}
-        if job.probs:
+    async def send(i: int, piece: str, probs: list) -> None:
+        ev = {"index": i, "content": piece, "stop": False, "id_slot": -1}
+        if want_probs:
             ev["completion_probabilities"] = [_prob_entry(engine, p) for p in probs]
         await resp.write(_sse(ev))
 
     async def body_() -> None:
-        res = await _run(request, job, send)
-        await resp.write(_sse(record(res, "", None)))
+        results = await _run(request, jobs, send)
+        for i, res in enumerate(results):
+            await resp.write(_sse(record(i, res, "", None)))
 
     return await _streaming(resp, body_, done=False)
 
@@ -336,79 +399,86 @@ async def handle_native_completion(request: web.Request) -> web.StreamResponse:
 async def handle_chat(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await _json_body(request)
-    chat = await asyncio.to_thread(_chat_prompt, body, engine)
+    chat = await _prepare(request, _chat_prompt, body, engine)
     opts = _options(body, engine, len(chat.tokens), "chat")
-    job = opts.job
-    job.prompt = chat.tokens
-    job.constraint = await asyncio.to_thread(_constraint, body, engine, chat)
+    jobs = await _make_jobs(request, opts, body, engine, chat.tokens, chat)
+    want_probs = jobs[0].probs
     cid = _cmpl_id("chatcmpl-")
-    split = ReasoningStream(chat.thinking_open, chat.split_reasoning)
-    calls = T.ToolCallStream(chat.tools if chat.parse_tools else None, chat.parallel_tool_calls)
+    splits = [ReasoningStream(chat.thinking_open, chat.split_reasoning) for _ in jobs]
+    calls = [T.ToolCallStream(chat.tools if chat.parse_tools else None, chat.parallel_tool_calls) for _ in jobs]
 
-    def finish_reason(res: Result) -> str:
-        return "tool_calls" if calls.calls and res.finish_reason == "stop" else res.finish_reason
+    def finish_reason(i: int, res: Result) -> str:
+        return "tool_calls" if calls[i].calls and res.finish_reason == "stop" else res.finish_reason
 
     if not opts.stream:
         try:
-            res = await _run(request, job, None)
+            results = await _run(request, jobs, None)
         except ConnectionResetError:   # nobody is left to read an answer
             return web.Response(status=499, reason="Client Closed Request")
-        split.add(res.text)
-        split.finish()
-        content, found = calls.add(split.content)
-        more, found2 = calls.finish()
-        content += more
-        message: dict = {"role": "assistant", "content": content if (content or not calls.calls) else None}
-        if split.reasoning:
-            message["reasoning_content"] = split.reasoning
-        if calls.calls:
-            message["tool_calls"] = [c.message() for c in calls.calls]
-        choice = {"finish_reason": finish_reason(res), "index": 0, "message": message}
-        if job.probs:
-            choice["logprobs"] = {"content": [_prob_entry(engine, p) for p in res.probs]}
-        return web.json_response({**_head(engine, cid, "chat.completion"), "choices": [choice],
-                                  "usage": res.usage(), "timings": res.timings()})
+        choices = []
+        for i, res in enumerate(results):
+            split, cl = splits[i], calls[i]
+            split.add(res.text)
+            split.finish()
+            content, _ = cl.add(split.content)
+            more, _ = cl.finish()
+            content += more
+            message: dict = {"role": "assistant", "content": content if (content or not cl.calls) else None}
+            if split.reasoning:
+                message["reasoning_content"] = split.reasoning
+            if cl.calls:
+                message["tool_calls"] = [c.message() for c in cl.calls]
+            choice = {"finish_reason": finish_reason(i, res), "index": i, "message": message}
+            if want_probs:
+                choice["logprobs"] = {"content": [_prob_entry(engine, p) for p in res.probs]}
+            choices.append(choice)
+        return web.json_response({**_head(engine, cid, "chat.completion"), "choices": choices,
+                                  "usage": _usage(results), "timings": results[0].timings()})
     resp = await _stream(request)
 
-    def chunk(delta: dict, probs: list | None = None) -> bytes:
-        choice = {"finish_reason": None, "index": 0, "delta": delta}
-        if job.probs and probs:
+    def chunk(i: int, delta: dict, probs: list | None = None) -> bytes:
+        choice = {"finish_reason": None, "index": i, "delta": delta}
+        if want_probs and probs:
             choice["logprobs"] = {"content": [_prob_entry(engine, p) for p in probs]}
         return _sse({**_head(engine, cid, "chat.completion.chunk"), "choices": [choice]})
 
-    async def send_deltas(dr: str, dc: str, probs: list | None = None, final: bool = False) -> None:
-        content, found = calls.add(dc)
+    async def send_deltas(i: int, dr: str, dc: str, probs: list | None = None, final: bool = False) -> None:
+        cl = calls[i]
+        content, found = cl.add(dc)
         if final:
-            more, found2 = calls.finish()
+            more, found2 = cl.finish()
             content, found = content + more, found + found2
         if dr:
-            await resp.write(chunk({"reasoning_content": dr}, probs))
+            await resp.write(chunk(i, {"reasoning_content": dr}, probs))
             probs = None
         if content:
-            await resp.write(chunk({"content": content}, probs))
+            await resp.write(chunk(i, {"content": content}, probs))
             probs = None
         for c in found:
-            i = calls.calls.index(c)
-            await resp.write(chunk({"tool_calls": [c.openai(i)]}, probs))
+            await resp.write(chunk(i, {"tool_calls": [c.openai(cl.calls.index(c))]}, probs))
             probs = None
         if probs:
-            await resp.write(chunk({}, probs))
+            await resp.write(chunk(i, {}, probs))
 
-    async def send(piece: str, probs: list) -> None:
-        await send_deltas(*split.add(piece), probs)
+    async def send(i: int, piece: str, probs: list) -> None:
+        await send_deltas(i, *splits[i].add(piece), probs)
 
     async def body_() -> None:
-        await resp.write(chunk({"role": "assistant", "content": None}))
-        res = await _run(request, job, send)
-        await send_deltas(*split.finish(), final=True)
-        last = {**_head(engine, cid, "chat.completion.chunk"),
-                "choices": [{"finish_reason": finish_reason(res), "index": 0, "delta": {}}]}
-        if opts.include_usage:
+        for i in range(len(jobs)):
+            await resp.write(chunk(i, {"role": "assistant", "content": None}))
+        results = await _run(request, jobs, send)
+        for i, res in enumerate(results):
+            await send_deltas(i, *splits[i].finish(), final=True)
+        for i, res in enumerate(results):
+            last = {**_head(engine, cid, "chat.completion.chunk"),
+                    "choices": [{"finish_reason": finish_reason(i, res), "index": i, "delta": {}}]}
+            if i == len(results) - 1:
+                if opts.include_usage:
+                    await resp.write(_sse(last))
+                    # OpenAI's usage chunk: no choices
+                    last = {**_head(engine, cid, "chat.completion.chunk"), "choices": [], "usage": _usage(results)}
+                last["timings"] = results[0].timings()
             await resp.write(_sse(last))
-            # OpenAI's usage chunk: no choices
-            last = {**_head(engine, cid, "chat.completion.chunk"), "choices": [], "usage": res.usage()}
-        last["timings"] = res.timings()
-        await resp.write(_sse(last))
 
     return await _streaming(resp, body_)
 

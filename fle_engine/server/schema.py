@@ -72,6 +72,7 @@ class Options:
     stream: bool
     include_usage: bool
     truncated: bool            # max_tokens was cut to what the context leaves
+    n: int = 1                 # completions of the prompt (choices)
 
 
 # llama-server sampling fields FLE does not implement: refused unless at their neutral value
@@ -121,9 +122,8 @@ def _logit_bias(body: dict, engine: Engine) -> dict[int, float]:
 def _options(body: dict, engine: Engine, n_prompt: int, kind: str = "completion") -> Options:
     """The request's generation settings; ``kind``: ``completion`` (OpenAI
     completions), ``chat`` or ``native`` (llama-server's /completion)."""
-    n = _number(body, ("n",), 1, integer=True)
-    if n != 1:
-        raise ApiError(f"Field 'n': only 1 completion per request is supported, got {n}")
+    # llama-server: n (n_cmpl) completions of the prompt, at most one per slot
+    n = _number(body, ("n_cmpl", "n"), 1, integer=True, lo=1, hi=engine.n_parallel)
     for name in _REFUSED:
         if name in body and body[name] not in (None, [], "", {}):
             raise ApiError(f"Unsupported param: {name}")
@@ -205,7 +205,7 @@ def _options(body: dict, engine: Engine, n_prompt: int, kind: str = "completion"
                            None if seed in (-1, 0xFFFFFFFF) else int(seed))
     job = Job([], n_predict, params, stops, id_slot=int(id_slot), cache_prompt=cache_prompt, ignore_eos=ignore_eos,
               logit_bias=bias, penalties=pen, probs=want_probs, n_probs=int(n_probs))
-    return Options(job, stream, include_usage, truncated)
+    return Options(job, stream, include_usage, truncated, int(n))
 
 
 def _json_field(body: dict, name: str, kind: type, default):

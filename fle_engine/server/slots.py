@@ -132,7 +132,7 @@ class Emit:
 class _Task:
     job: Job | None
     cancel: threading.Event
-    emit: Callable[[str, list], None]
+    emit: Callable[[str, list], None] | None      # None: nothing streamed, the text comes in the Result
     future: Future
     action: tuple | None = None          # (name, arg) for slot save / restore / erase
     slot: "Slot | None" = None
@@ -150,6 +150,10 @@ class _Task:
     gen: object = None                    # a token generator (MTP / GPU engine)
     spec: SpecStats | None = None
     history: list[int] = field(default_factory=list)
+    # n > 1: the first task of a group computes the prompt; the others start from a copy of its state
+    children: list["_Task"] = field(default_factory=list)
+    parent: "_Task | None" = None
+    waiting: bool = False                 # a child whose parent's prompt is not done yet
     t0: float = 0.0
     t_first: float | None = None
     done: bool = False
@@ -176,6 +180,7 @@ class Engine:
 
     ``submit(job, cancel, emit)`` queues a request and returns a Future of
     its :class:`Result`; ``run`` is the blocking form. ``emit(text, probs)``
+    (None for a request that is not streamed)
     is called from the worker thread as text is released."""
 
     def __init__(self, model, tokenizer, *, n_ctx: int, name: str, n_ctx_train: int | None = None,
@@ -239,7 +244,7 @@ class Engine:
             th.join()
         self._thread = None
 
-    def submit(self, job: Job, cancel: threading.Event, emit: Callable[[str, list], None]) -> Future:
+    def submit(self, job: Job, cancel: threading.Event, emit: Callable[[str, list], None] | None) -> Future:
         if job.id_slot >= self.n_parallel:
             raise FleError(f"id_slot {job.id_slot} does not exist; the server has {self.n_parallel} slots")
         return self._enqueue(_Task(job, cancel, emit, Future()))
@@ -249,6 +254,25 @@ class Engine:
         if not 0 <= id_slot < self.n_parallel:
             raise FleError(f"id_slot {id_slot} does not exist; the server has {self.n_parallel} slots")
         return self._enqueue(_Task(None, threading.Event(), lambda *_: None, Future(), action=(action, id_slot, arg)))
+
+    def submit_group(self, jobs: list[Job], cancel: threading.Event,
+                     emits: list[Callable[[str, list], None] | None]) -> list[Future]:
+        """``n`` completions of one prompt (llama-server's ``n`` / ``n_cmpl``):
+        on the reference path they start together on ``n`` slots, the first
+        computes the prompt and the others begin from a copy of its state;
+        elsewhere they run as separate requests."""
+        if not jobs or len(jobs) != len(emits):
+            raise FleError("a group needs one emit per job")
+        if len(jobs) > self.n_parallel:
+            raise FleError(f"{len(jobs)} completions need as many slots; the server has {self.n_parallel}")
+        if len(jobs) == 1 or not self.stepped:
+            return [self.submit(j, cancel, e) for j, e in zip(jobs, emits)]
+        if jobs[0].id_slot >= self.n_parallel:
+            raise FleError(f"id_slot {jobs[0].id_slot} does not exist; the server has {self.n_parallel} slots")
+        parent = _Task(jobs[0], cancel, emits[0], Future())
+        parent.children = [_Task(j, cancel, e, Future(), parent=parent) for j, e in zip(jobs[1:], emits[1:])]
+        self._enqueue(parent)
+        return [parent.future] + [c.future for c in parent.children]
 
     def run(self, job: Job, cancel: threading.Event, emit: Callable[[str, list], None]) -> Result:
         return self.submit(job, cancel, emit).result()
@@ -306,6 +330,14 @@ class Engine:
         return any(self._free_slot_for(t) is not None for t in self._pending)
 
     def _free_slot_for(self, task: _Task) -> Slot | None:
+        if task.children:
+            free = [s for s in self.slots if not s.busy]
+            if len(free) < 1 + len(task.children):
+                return None             # llama-server: a group waits until all its slots are free
+            if task.job.id_slot >= 0:
+                s = self.slots[task.job.id_slot]
+                return None if s.busy else s
+            return self._choose(free, task.job)
         if task.action is not None:
             s = self.slots[task.action[1]]
             return None if s.busy else s
@@ -340,7 +372,8 @@ class Engine:
         for task in list(self._pending):
             if task.cancel.is_set() and task.job is not None:
                 self._pending.remove(task)
-                task.future.set_result(Result("", "stop", len(task.job.prompt), 0, cancelled=True))
+                for t in [task, *task.children]:
+                    t.future.set_result(Result("", "stop", len(t.job.prompt), 0, cancelled=True))
                 continue
             slot = self._free_slot_for(task)
             if slot is None:
@@ -351,11 +384,15 @@ class Engine:
                     task.future.set_result(self._do_action(slot, *task.action))
                 else:
                     self._begin(slot, task)
+                    others = sorted((s for s in self.slots if not s.busy), key=lambda s: s.t_last)
+                    for child, cs in zip(task.children, others):
+                        self._begin_child(cs, child)
             except Exception as e:  # noqa: BLE001 - the request's own failure
-                if not task.future.done():
-                    task.future.set_exception(e)
-                if slot.task is task:
-                    slot.task = None
+                for t in [task, *task.children]:
+                    if not t.future.done():
+                        t.future.set_exception(e)
+                    if t.slot is not None and t.slot.task is t:
+                        t.slot.task = None
 
     # ---------------------------------------------------------------- starting a request
 
@@ -430,6 +467,42 @@ class Engine:
         slot.cacheable = job.cache_prompt
         task.history = list(job.prompt)
 
+    def _begin_child(self, slot: Slot, task: _Task) -> None:
+        """A completion of a group other than the first: it waits for the
+        first one's prompt and starts from a copy of that state."""
+        job = task.job
+        task.slot, slot.task = slot, task
+        slot.t_last = time.monotonic()
+        slot.n_decoded = 0
+        task.t0 = time.perf_counter()
+        task.sampler = Sampler(job.params)
+        task.decoder = self.tok.stream()
+        task.scan = StopScanner(job.stop)
+        task.waiting = True
+        slot.cacheable = False           # the parent's slot keeps the prompt for the cache
+        task.history = list(job.prompt)
+
+    def _share_prompt(self, s: Slot) -> None:
+        """The first task of a group has its prompt's state and logits:
+        copy them into the waiting children's slots."""
+        t = s.task
+        if not t.children:
+            return
+        snap = C.snapshot(s.state, len(s.tokens))
+        for c in t.children:
+            cs = c.slot
+            if not c.waiting or cs is None or cs.task is not c:
+                continue
+            self._keep_in_cache(cs)
+            if cs.state is None:
+                cs.state = self.model.new_state(cs.n_ctx)
+            C.restore(snap, cs.state)
+            cs.tokens, cs.logits = list(s.tokens), s.logits
+            c.pos = c.n_cached = len(c.job.prompt)
+            c.waiting = False
+            self._sample(cs, cs.logits)
+        t.children = []
+
     # ---------------------------------------------------------------- a round
 
     def _round(self, active: list[Slot]) -> None:
@@ -445,12 +518,17 @@ class Engine:
         feed: list[tuple[Slot, list[int], bool]] = []     # (slot, tokens, whether the last one is sampled from)
         for s in active:
             t = s.task
+            if t.waiting:
+                if t.parent.done:      # the first one ended before its prompt did (cancelled, failed)
+                    self._finish(s, "abort" if self._stopping else "stop", cancelled=True)
+                continue
             if t.next_token is not None:
                 feed.append((s, [t.next_token], True))
             elif t.pos < len(t.job.prompt):
                 chunk = t.job.prompt[t.pos:t.pos + N_BATCH]
                 feed.append((s, chunk, t.pos + len(chunk) == len(t.job.prompt)))
             else:                      # the whole prompt came from a cache, with its logits
+                self._share_prompt(s)
                 self._sample(s, s.logits)
         if not feed:
             return
@@ -469,6 +547,7 @@ class Engine:
             else:
                 t.pos += len(tk)
             if last:
+                self._share_prompt(s)
                 self._sample(s, s.logits)
 
     def _adjusted(self, t: _Task, logits) -> np.ndarray:
@@ -547,7 +626,8 @@ class Engine:
             t.pieces.append(text)
             probs, t.unsent = t.unsent, []
             t.probs.extend(probs)
-            t.emit(text, probs)
+            if t.emit is not None:
+                t.emit(text, probs)
 
     def _step_generator(self, s: Slot) -> None:
         t = s.task
@@ -629,7 +709,7 @@ class Engine:
                     self._finish(s, "abort", cancelled=True)
                 except Exception as e:  # noqa: BLE001
                     self._fail(s, e)
-        for task in self._pending:
+        for task in [t for p in self._pending for t in (p, *p.children)]:
             if not task.future.done():
                 if task.job is None:
                     task.future.set_exception(FleError("the server is shutting down"))
