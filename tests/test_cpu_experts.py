@@ -287,9 +287,42 @@ def test_bad_input():
 
 def test_no_torch():
     # the package's parent (fle_engine) imports torch on purpose; the kernels' own modules must not
-    for mod in ("acts", "reference", "fle_numba", "ggml_cpu", "simd", "plan", "__init__"):
+    for mod in ("acts", "reference", "fle_numba", "ggml_cpu", "simd", "plan", "team", "__init__"):
         src = open(f"{ce.__path__[0]}/{mod}.py").read()
         assert not re.search(r"^\s*(import|from) torch", src, re.M), mod
     out = subprocess.run([sys.executable, "-c", "import sys, fle_quant; print('torch' in sys.modules)"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+_PORTABLE_CHECK = """
+import numpy as np
+from fle_engine.kernels.cpu_experts import simd, fle_numba, reference, quantize_acts, DOT_TYPE
+from fle_quant.ggml_types import GGMLType
+from test_cpu_experts import quantized
+assert not simd.AVX2
+rng = np.random.default_rng(5)
+for name in ("IQ4_XS", "Q4_K", "Q8_0", "IQ3_S", "Q6_K", "IQ4_NL", "Q5_K"):
+    qt = GGMLType[name]
+    rows = quantized(qt, (24, 512), rng)
+    acts = quantize_acts(rng.standard_normal((2, 512)).astype(np.float32), DOT_TYPE[qt])
+    np.testing.assert_array_equal(fle_numba.matvec(rows, qt, acts), reference.matvec_ref(rows, qt, acts), err_msg=name)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not __import__("fle_engine.kernels.cpu_experts.simd", fromlist=["AVX2"]).AVX2,
+                    reason="this CPU runs the portable path in every test already")
+def test_portable_path_equals_reference(tmp_path):
+    """The portable LLVM vector IR (FLE_CPU_PORTABLE=1: what CPUs without
+    AVX2 run) is bit-identical to the reference too; its own numba cache so
+    that the AVX2 build is not reused."""
+    import os
+    from pathlib import Path
+
+    env = dict(os.environ, FLE_CPU_PORTABLE="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1]),
+                                           os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -142,10 +142,12 @@ def _scales_iq4_xs(b, o, sc):
 
 @njit(cache=True, inline="always")
 def _scales_q4_k(b, o, sc, mn):
-    for j in range(8):
-        s1, m1 = _scale_min_k4(j, b[o:o + 16])
-        sc[j] = np.int32(s1)
-        mn[j] = np.int32(m1)
+    # the 8 (scale, min) pairs of 6 bits in the 12 bytes at o + 4 (as _scale_min_k4, read in place)
+    for j in range(4):
+        sc[j] = np.int32(b[o + 4 + j] & 63)
+        mn[j] = np.int32(b[o + 8 + j] & 63)
+        sc[j + 4] = np.int32((b[o + 12 + j] & 0xF) | ((b[o + 4 + j] >> 6) << 4))
+        mn[j + 4] = np.int32((b[o + 12 + j] >> 4) | ((b[o + 8 + j] >> 6) << 4))
 
 
 @njit(cache=True, inline="always")
@@ -231,6 +233,23 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
             _scales_iq4_xs(w, o, sc)
             s = dot_iq4_xs(w, o, sc, xr, 256 * bi)
             a = a + (fp16_at(w, o) * xdr[bi]) * (_F32(s) * frac)
+        acc[0] = a
+        return
+    if code == _Q4_K and nt == 1:
+        r = arow[0]
+        xr = xq[r]
+        xdr = xd[r]
+        xsr = xs[r]
+        a = acc[0]
+        for bi in range(nb):
+            o = 144 * bi
+            _scales_q4_k(w, o, sc, mn)
+            s = dot_q4_k(w, o, sc, xr, 256 * bi)
+            v = (fp16_at(w, o) * xdr[bi]) * (_F32(s) * frac)
+            m = np.int32(0)
+            for j in range(8):
+                m += mn[j] * xsr[8 * bi + j]
+            a = a + (v - (fp16_at(w, o + 2) * xdr[bi]) * _F32(m))
         acc[0] = a
         return
     size = _BLOCK_BYTES[code]
