@@ -32,7 +32,7 @@ from fle_quant.quants.blocks_k import _scale_min_k4
 from fle_quant.quants.tables import IQ2S_GRID, IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS
 
 from .acts import quantize_row
-from .simd import dot8_scaled, dot16_s8, dot32_s8, dot_iq4, dot_iq4_xs, dot_q4_k
+from .simd import dot8_scaled, dot32_s8, dot_halves, dot_iq4, dot_iq4_xs, dot_q4_k
 from .simd import f16_at as fp16_at
 from .plan import plan, silu_mul_row, weighted_sum
 
@@ -103,11 +103,7 @@ def _dec_iq2_s(b, o, w64, sc):
 @njit(cache=True, inline="always")
 def _dot_halves(w8, sc, x, xo):
     # IQ2 and Q6_K: the two 16-value halves of each sub-block have their own scale
-    s = np.int64(0)
-    for j in range(8):
-        s += (np.int64(sc[j]) * dot16_s8(w8, 32 * j, x, xo + 32 * j)
-              + np.int64(sc[j + 8]) * dot16_s8(w8, 32 * j + 16, x, xo + 32 * j + 16))
-    return s
+    return dot_halves(w8, sc, x, xo)
 
 
 @njit(cache=True, inline="always")
@@ -253,6 +249,41 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
         acc[0] = a
         return
     size = _BLOCK_BYTES[code]
+    if nt == 1 and not (code == _IQ4_XS or code == _Q4_K):
+        # the decoded types with one token: the activation row and the accumulator hoisted out of the loop
+        r = arow[0]
+        xr = xq[r]
+        xdr = xd[r]
+        xsr = xs[r]
+        a = acc[0]
+        for bi in range(nb):
+            o = size * bi
+            if code == _IQ2_XS:
+                _dec_iq2_xs(w, o, w64, sc)
+            elif code == _IQ2_S:
+                _dec_iq2_s(w, o, w64, sc)
+            elif code == _IQ3_XXS:
+                _dec_iq3_xxs(w, o, w64, sc)
+            elif code == _IQ3_S:
+                _dec_iq3_s(w, o, w64, sc)
+            elif code == _Q5_K:
+                _dec_q5_k(w, o, w8, sc, mn)
+            else:
+                _dec_q6_k(w, o, w8, sc)
+            if code == _IQ2_XS or code == _IQ2_S or code == _Q6_K:
+                s = _dot_halves(w8, sc, xr, 256 * bi)
+            else:
+                s = _dot8(w8, sc, xr, 256 * bi)
+            dw = fp16_at(w, o + 208) if code == _Q6_K else fp16_at(w, o)
+            v = (dw * xdr[bi]) * (_F32(s) * frac)
+            if code == _Q5_K:
+                m = np.int32(0)
+                for j in range(8):
+                    m += mn[j] * xsr[8 * bi + j]
+                v = v - (fp16_at(w, o + 2) * xdr[bi]) * _F32(m)
+            a = a + v
+        acc[0] = a
+        return
     for bi in range(nb):
         o = size * bi
         if code == _IQ2_XS:

@@ -32,8 +32,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["dot32_s8", "dot16_s8", "dot32_lo4", "dot32_hi4", "dot_iq4", "dot8_scaled", "dot_iq4_xs", "dot_q4_k",
-           "AVX2"]
+__all__ = ["dot32_s8", "dot16_s8", "dot32_lo4", "dot32_hi4", "dot_iq4", "dot8_scaled", "dot_halves", "dot_iq4_xs",
+           "dot_q4_k", "AVX2", "f16_at"]
 
 
 def _make(n: int, kind: str):
@@ -293,6 +293,44 @@ def _dot8_scaled_avx2(typingctx, w8, sc, x, xo):
 
 
 @intrinsic
+def _dot_halves_avx2(typingctx, w8, sc, x, xo):
+    """sum over j < 8 of sc[j] * (w8[32 j: 32 j + 16] . x[xo + 32 j: ...]) +
+    sc[j + 8] * (w8[32 j + 16: 32 j + 32] . x[xo + 32 j + 16: ...]), w8 signed:
+    the pair sums of the low 16 bytes take sc[j], those of the high 16 sc[j + 8]."""
+    if not all(isinstance(a, types.Array) for a in (w8, sc, x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I16, 16)
+        acc = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
+        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [v16, v16])
+        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [ir.VectorType(_I8, 32)] * 2)
+        for j in range(8):
+            wv = _vload(context, builder, sig.args[0], args[0], _I64(32 * j), 32)
+            xv = _vload(context, builder, sig.args[2], args[2], builder.add(args[3], _I64(32 * j)), 32)
+            u, sx = _signed(builder, wv, xv)
+            p16 = builder.call(mub, [u, sx])
+            lo = _scale_i16(context, builder, sig.args[1], args[1], j)
+            hi = _scale_i16(context, builder, sig.args[1], args[1], j + 8)
+            m = ir.Constant(v16, ir.Undefined)
+            for i in range(16):
+                m = builder.insert_element(m, lo if i < 8 else hi, _I32(i))
+            acc = builder.add(acc, builder.call(mw, [p16, m]))
+        return _reduce(builder, acc)
+
+    return types.int64(w8, sc, x, types.int64), codegen
+
+
+@njit(cache=True, inline="always")
+def _dot_halves_portable(w8, sc, x, xo):
+    s = np.int64(0)
+    for j in range(8):
+        s += (np.int64(sc[j]) * _dot16_s8_portable(w8, 32 * j, x, xo + 32 * j)
+              + np.int64(sc[j + 8]) * _dot16_s8_portable(w8, 32 * j + 16, x, xo + 32 * j + 16))
+    return s
+
+
+@intrinsic
 def _dot_iq4_xs_avx2(typingctx, w, o, sc, x, xo):
     """One IQ4_XS block at w[o:]: sum over its 8 sub-blocks of sc[j] * the
     code book's values . x[xo + 32 j: ...]."""
@@ -365,8 +403,10 @@ if AVX2:
     dot32_lo4, dot32_hi4 = _x86_dot(32, "lo4"), _x86_dot(32, "hi4")
     dot_iq4 = _dot_iq4_avx2
     dot8_scaled, dot_iq4_xs, dot_q4_k = _dot8_scaled_avx2, _dot_iq4_xs_avx2, _dot_q4_k_avx2
+    dot_halves = _dot_halves_avx2
 else:
     dot8_scaled, dot_iq4_xs, dot_q4_k = _dot8_scaled_portable, _dot_iq4_xs_portable, _dot_q4_k_portable
+    dot_halves = _dot_halves_portable
 
 
 # ---------------------------------------------------------------------------
