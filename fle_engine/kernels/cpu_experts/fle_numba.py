@@ -32,7 +32,7 @@ from fle_quant.quants.blocks_k import _scale_min_k4
 from fle_quant.quants.tables import IQ2S_GRID, IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS
 
 from .acts import quantize_row
-from .simd import dot8_scaled, dot32_s8, dot_halves, dot_iq4, dot_iq4_xs, dot_q4_k
+from .simd import AVX2, dot8_scaled, dot32_s8, dot_halves, dot_iq3_s, dot_iq4, dot_iq4_xs, dot_q4_k
 from .simd import f16_at as fp16_at
 from .plan import plan, silu_mul_row, weighted_sum
 
@@ -249,6 +249,19 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
         acc[0] = a
         return
     size = _BLOCK_BYTES[code]
+    if AVX2:
+        if nt == 1 and code == _IQ3_S:
+            # decoded in vector registers by the block sum itself
+            r = arow[0]
+            xr = xq[r]
+            xdr = xd[r]
+            a = acc[0]
+            for bi in range(nb):
+                o = 110 * bi
+                s = dot_iq3_s(w, o, _G3S, xr, 256 * bi)
+                a = a + (fp16_at(w, o) * xdr[bi]) * (_F32(s) * frac)
+            acc[0] = a
+            return
     if nt == 1 and not (code == _IQ4_XS or code == _Q4_K):
         # the decoded types with one token: the activation row and the accumulator hoisted out of the loop
         r = arow[0]

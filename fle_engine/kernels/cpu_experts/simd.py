@@ -33,7 +33,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["dot32_s8", "dot16_s8", "dot32_lo4", "dot32_hi4", "dot_iq4", "dot8_scaled", "dot_halves", "dot_iq4_xs",
-           "dot_q4_k", "AVX2", "f16_at"]
+           "dot_q4_k", "dot_iq3_s", "AVX2", "f16_at"]
 
 
 def _make(n: int, kind: str):
@@ -331,6 +331,54 @@ def _dot_halves_portable(w8, sc, x, xo):
 
 
 @intrinsic
+def _dot_iq3_s_avx2(typingctx, w, o, grid, x, xo):
+    """One IQ3_S block at w[o:] (d | qs[64] | qh[8] | signs[32] | scales[4])
+    against x[xo:xo + 256]: sum over its 8 sub-blocks of (1 + 2 * scale_j) *
+    sum of sign * grid value * x. ``grid``: uint32 [512], each entry the 4
+    byte values of IQ3_S's grid. The grid bytes (1..15) are the unsigned side
+    of pmaddubsw; the signs go onto x."""
+    if not all(isinstance(a, types.Array) for a in (w, grid, x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v8, v32i, v4i64 = ir.VectorType(_I8, 32), ir.VectorType(_I32, 8), ir.VectorType(_I64, 4)
+        wdata = builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data, _I8.as_pointer())
+        gdata = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data, _I32.as_pointer())
+        base = builder.gep(wdata, [args[1]])
+
+        def byte(off):
+            return builder.zext(builder.load(builder.gep(base, [_I64(off)])), _I32)
+
+        bits = ir.Constant(v8, [1 << (i % 8) for i in range(32)])
+        zero8 = ir.Constant(v8, [0] * 32)
+        acc = ir.Constant(v32i, [0] * 8)
+        for j in range(8):
+            qh = byte(66 + j)
+            vals = ir.Constant(ir.VectorType(_I32, 8), ir.Undefined)
+            for l in range(4):
+                i1 = builder.or_(byte(2 + 8 * j + 2 * l), builder.and_(builder.shl(qh, _I32(8 - 2 * l)), _I32(256)))
+                i2 = builder.or_(byte(3 + 8 * j + 2 * l), builder.and_(builder.shl(qh, _I32(7 - 2 * l)), _I32(256)))
+                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [i1])), _I32(2 * l))
+                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [i2])), _I32(2 * l + 1))
+            u = builder.bitcast(vals, v8)
+            # the 32 sign bits of the sub-block: byte l's 8 bits for values 8 l .. 8 l + 7
+            sb = builder.load(builder.bitcast(builder.gep(base, [_I64(74 + 4 * j)]), _I32.as_pointer()), align=1)
+            sv = builder.bitcast(builder.insert_element(ir.Constant(ir.VectorType(_I32, 8), [0] * 8), sb, _I32(0)),
+                                 v8)
+            spread = builder.shuffle_vector(sv, ir.Constant(v8, ir.Undefined),
+                                            ir.Constant(ir.VectorType(_I32, 32), [i // 8 for i in range(32)]))
+            neg = builder.icmp_unsigned("!=", builder.and_(spread, bits), zero8)
+            xv = _vload(context, builder, sig.args[3], args[3], builder.add(args[4], _I64(32 * j)), 32)
+            sx = builder.select(neg, builder.sub(zero8, xv), xv)
+            sc = builder.add(builder.shl(builder.and_(builder.lshr(byte(106 + j // 2), _I32(4 * (j & 1))), _I32(15)),
+                                         _I32(1)), _I32(1))
+            acc = builder.add(acc, _madd(builder, u, sx, builder.trunc(sc, _I16)))
+        return _reduce(builder, acc)
+
+    return types.int64(w, types.int64, grid, x, types.int64), codegen
+
+
+@intrinsic
 def _dot_iq4_xs_avx2(typingctx, w, o, sc, x, xo):
     """One IQ4_XS block at w[o:]: sum over its 8 sub-blocks of sc[j] * the
     code book's values . x[xo + 32 j: ...]."""
@@ -404,7 +452,9 @@ if AVX2:
     dot_iq4 = _dot_iq4_avx2
     dot8_scaled, dot_iq4_xs, dot_q4_k = _dot8_scaled_avx2, _dot_iq4_xs_avx2, _dot_q4_k_avx2
     dot_halves = _dot_halves_avx2
+    dot_iq3_s = _dot_iq3_s_avx2
 else:
+    dot_iq3_s = None
     dot8_scaled, dot_iq4_xs, dot_q4_k = _dot8_scaled_portable, _dot_iq4_xs_portable, _dot_q4_k_portable
     dot_halves = _dot_halves_portable
 
