@@ -32,7 +32,8 @@ from fle_quant.quants.blocks_k import _scale_min_k4
 from fle_quant.quants.tables import IQ2S_GRID, IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS
 
 from .acts import quantize_row
-from .simd import AVX2, dot8_scaled, dot32_s8, dot_halves, dot_iq3_s, dot_iq4, dot_iq4_xs, dot_q4_k
+from .simd import (AVX2, dot8_scaled, dot32_s8, dot_halves, dot_iq2_xs, dot_iq3_s, dot_iq3_xxs, dot_iq4, dot_iq4_xs,
+                   dot_q4_k)
 from .simd import f16_at as fp16_at
 from .plan import plan, silu_mul_row, weighted_sum
 
@@ -63,6 +64,7 @@ _G2S = _pack(IQ2S_GRID, np.uint64)  # 1024 x 8
 # sign byte -> 8 byte masks (0xFF where the bit is set)
 _SMASK = np.array([sum(0xFF << (8 * k) for k in range(8) if (s >> k) & 1) for s in range(256)], np.uint64)
 _KSIGNS = KSIGNS.astype(np.int64)
+_KSIGNS8 = KSIGNS.astype(np.uint8)
 _ONES = np.uint64(0x0101010101010101)
 
 
@@ -259,6 +261,21 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
             for bi in range(nb):
                 o = 110 * bi
                 s = dot_iq3_s(w, o, _G3S, xr, 256 * bi)
+                a = a + (fp16_at(w, o) * xdr[bi]) * (_F32(s) * frac)
+            acc[0] = a
+            return
+        if nt == 1 and (code == _IQ3_XXS or code == _IQ2_XS):
+            r = arow[0]
+            xr = xq[r]
+            xdr = xd[r]
+            a = acc[0]
+            for bi in range(nb):
+                if code == _IQ3_XXS:
+                    o = 98 * bi
+                    s = dot_iq3_xxs(w, o, _G3XXS, _KSIGNS8, xr, 256 * bi)
+                else:
+                    o = 74 * bi
+                    s = dot_iq2_xs(w, o, _G2XS, _KSIGNS8, xr, 256 * bi)
                 a = a + (fp16_at(w, o) * xdr[bi]) * (_F32(s) * frac)
             acc[0] = a
             return

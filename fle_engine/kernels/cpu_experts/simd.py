@@ -33,7 +33,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["dot32_s8", "dot16_s8", "dot32_lo4", "dot32_hi4", "dot_iq4", "dot8_scaled", "dot_halves", "dot_iq4_xs",
-           "dot_q4_k", "dot_iq3_s", "AVX2", "f16_at"]
+           "dot_q4_k", "dot_iq3_s", "dot_iq3_xxs", "dot_iq2_xs", "AVX2", "f16_at"]
 
 
 def _make(n: int, kind: str):
@@ -378,6 +378,108 @@ def _dot_iq3_s_avx2(typingctx, w, o, grid, x, xo):
     return types.int64(w, types.int64, grid, x, types.int64), codegen
 
 
+def _signs_onto(builder, sb, xv):
+    """x with the sign of each of its 32 lanes flipped where bit i % 8 of
+    byte i // 8 of ``sb`` (an i32 of four sign bytes) is set."""
+    v8 = ir.VectorType(_I8, 32)
+    zero8 = ir.Constant(v8, [0] * 32)
+    sv = builder.bitcast(builder.insert_element(ir.Constant(ir.VectorType(_I32, 8), [0] * 8), sb, _I32(0)), v8)
+    spread = builder.shuffle_vector(sv, ir.Constant(v8, ir.Undefined),
+                                    ir.Constant(ir.VectorType(_I32, 32), [i // 8 for i in range(32)]))
+    neg = builder.icmp_unsigned("!=", builder.and_(spread, ir.Constant(v8, [1 << (i % 8) for i in range(32)])), zero8)
+    return builder.select(neg, builder.sub(zero8, xv), xv)
+
+
+def _sign_word(builder, bytes4):
+    """Four i8 values -> one i32 (byte l = the l-th)."""
+    v = ir.Constant(ir.VectorType(_I8, 4), ir.Undefined)
+    for i, b in enumerate(bytes4):
+        v = builder.insert_element(v, b, _I32(i))
+    return builder.bitcast(v, _I32)
+
+
+@intrinsic
+def _dot_iq3_xxs_avx2(typingctx, w, o, grid, ksigns, x, xo):
+    """One IQ3_XXS block at w[o:] (d | qs[64] | 8 x u32 scale and sign
+    indices): sum over sub-blocks of (1 + 2 * (aux >> 28)) * sum of sign *
+    grid value * x. ``grid``: uint32 [256]; ``ksigns``: uint8 [128]."""
+    if not all(isinstance(a, types.Array) for a in (w, grid, ksigns, x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v32i = ir.VectorType(_I32, 8)
+        base = builder.gep(builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data,
+                                           _I8.as_pointer()), [args[1]])
+        gdata = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data, _I32.as_pointer())
+        kdata = builder.bitcast(context.make_array(sig.args[3])(context, builder, args[3]).data, _I8.as_pointer())
+
+        def byte(off):
+            return builder.zext(builder.load(builder.gep(base, [_I64(off)])), _I32)
+
+        acc = ir.Constant(v32i, [0] * 8)
+        for j in range(8):
+            aux = builder.load(builder.bitcast(builder.gep(base, [_I64(66 + 4 * j)]), _I32.as_pointer()), align=1)
+            vals = ir.Constant(v32i, ir.Undefined)
+            signs = []
+            for l in range(4):
+                for h in range(2):
+                    g = builder.load(builder.gep(gdata, [byte(2 + 8 * j + 2 * l + h)]))
+                    vals = builder.insert_element(vals, g, _I32(2 * l + h))
+                k = builder.and_(builder.lshr(aux, _I32(7 * l)), _I32(127))
+                signs.append(builder.load(builder.gep(kdata, [k])))
+            xv = _vload(context, builder, sig.args[4], args[4], builder.add(args[5], _I64(32 * j)), 32)
+            sx = _signs_onto(builder, _sign_word(builder, signs), xv)
+            sc = builder.add(builder.shl(builder.lshr(aux, _I32(28)), _I32(1)), _I32(1))
+            acc = builder.add(acc, _madd(builder, builder.bitcast(vals, ir.VectorType(_I8, 32)), sx,
+                                         builder.trunc(sc, _I16)))
+        return _reduce(builder, acc)
+
+    return types.int64(w, types.int64, grid, ksigns, x, types.int64), codegen
+
+
+@intrinsic
+def _dot_iq2_xs_avx2(typingctx, w, o, grid, ksigns, x, xo):
+    """One IQ2_XS block at w[o:] (d | 32 x u16: 9-bit grid index, 7-bit
+    sign index | scales[8]): sum over sub-blocks of the two halves' scales
+    (1 + 2 * nibble) times sum of sign * grid value * x. ``grid``: uint64
+    [512] (8 values each); ``ksigns``: uint8 [128]."""
+    if not all(isinstance(a, types.Array) for a in (w, grid, ksigns, x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I16, 16)
+        v32i, v4 = ir.VectorType(_I32, 8), ir.VectorType(_I64, 4)
+        base = builder.gep(builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data,
+                                           _I8.as_pointer()), [args[1]])
+        gdata = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data, _I64.as_pointer())
+        kdata = builder.bitcast(context.make_array(sig.args[3])(context, builder, args[3]).data, _I8.as_pointer())
+        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", v32i, [v16, v16])
+        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [ir.VectorType(_I8, 32)] * 2)
+        acc = ir.Constant(v32i, [0] * 8)
+        for j in range(8):
+            vals = ir.Constant(v4, ir.Undefined)
+            signs = []
+            for l in range(4):
+                q = builder.zext(builder.load(builder.bitcast(builder.gep(base, [_I64(2 + 8 * j + 2 * l)]),
+                                                              _I16.as_pointer()), align=1), _I32)
+                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [builder.and_(q, _I32(511))])),
+                                              _I32(l))
+                signs.append(builder.load(builder.gep(kdata, [builder.lshr(q, _I32(9))])))
+            xv = _vload(context, builder, sig.args[4], args[4], builder.add(args[5], _I64(32 * j)), 32)
+            sx = _signs_onto(builder, _sign_word(builder, signs), xv)
+            p16 = builder.call(mub, [builder.bitcast(vals, ir.VectorType(_I8, 32)), sx])
+            sb = builder.zext(builder.load(builder.gep(base, [_I64(66 + j)])), _I16)
+            lo = builder.add(builder.shl(builder.and_(sb, _I16(15)), _I16(1)), _I16(1))
+            hi = builder.add(builder.shl(builder.lshr(sb, _I16(4)), _I16(1)), _I16(1))
+            m = ir.Constant(v16, ir.Undefined)
+            for i in range(16):
+                m = builder.insert_element(m, lo if i < 8 else hi, _I32(i))
+            acc = builder.add(acc, builder.call(mw, [p16, m]))
+        return _reduce(builder, acc)
+
+    return types.int64(w, types.int64, grid, ksigns, x, types.int64), codegen
+
+
 @intrinsic
 def _dot_iq4_xs_avx2(typingctx, w, o, sc, x, xo):
     """One IQ4_XS block at w[o:]: sum over its 8 sub-blocks of sc[j] * the
@@ -452,9 +554,9 @@ if AVX2:
     dot_iq4 = _dot_iq4_avx2
     dot8_scaled, dot_iq4_xs, dot_q4_k = _dot8_scaled_avx2, _dot_iq4_xs_avx2, _dot_q4_k_avx2
     dot_halves = _dot_halves_avx2
-    dot_iq3_s = _dot_iq3_s_avx2
+    dot_iq3_s, dot_iq3_xxs, dot_iq2_xs = _dot_iq3_s_avx2, _dot_iq3_xxs_avx2, _dot_iq2_xs_avx2
 else:
-    dot_iq3_s = None
+    dot_iq3_s = dot_iq3_xxs = dot_iq2_xs = None     # the callers decode in numba instead (fle_numba)
     dot8_scaled, dot_iq4_xs, dot_q4_k = _dot8_scaled_portable, _dot_iq4_xs_portable, _dot_q4_k_portable
     dot_halves = _dot_halves_portable
 
