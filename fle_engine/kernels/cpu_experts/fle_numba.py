@@ -220,8 +220,9 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
                 acc[k] = a
         return
     if code == _IQ4_XS and nt == 1:
-        # the common case (one token) as one tight loop with a register accumulator: the dispatch out of
-        # the block loop keeps it small enough for LLVM to optimise (2x on this loop)
+        # the common case (one token) as one tight loop per type with a register accumulator: the dispatch
+        # out of the block loop keeps each loop small enough for LLVM to optimise (2x on this loop; one
+        # shared loop with the dispatch inside measured 0.57 of ggml against 0.82 for IQ4_XS)
         r = arow[0]
         xr = xq[r]
         xdr = xd[r]

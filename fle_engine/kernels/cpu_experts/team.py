@@ -150,35 +150,16 @@ def _now(clk, ts):
 
 
 @njit(nogil=True, cache=True)
-def _wait_at_least(words, i, target, stop, clk, nap, ts):
-    """Spin until words[i] >= target (returns it) or stop (returns -1);
-    naps after a long idle time."""
+def _wait_at_least(words, i, target, shift, stop, clk, nap, ts):
+    """Spin until ``words[i] >> shift >= target`` (returns words[i]) or stop
+    (returns -1); naps after a long idle time. shift 0: a counter; shift 8:
+    a layer's flag (serial * 256 + n)."""
     n = 0
     t0 = np.int64(0)
     while True:
         v = load_acquire(words, i)
-        if v >= target:
+        if (v >> shift) >= target:
             return v
-        n += 1
-        if (n & 1023) == 0:
-            if load_acquire(stop, 0) != 0:
-                return np.int64(-1)
-            t = _now(clk, ts)
-            if t0 == 0:
-                t0 = t
-            elif t - t0 > _IDLE_NS:
-                _call_usleep(nap, _NAP_US)
-
-
-@njit(nogil=True, cache=True)
-def _wait_flag(flags, i, serial, stop, clk, nap, ts):
-    """Spin until flags[i] carries ``serial`` or later (flags = serial * 256 + n)."""
-    n = 0
-    t0 = np.int64(0)
-    while True:
-        f = load_acquire(flags, i)
-        if (f >> 8) >= serial:
-            return f
         n += 1
         if (n & 1023) == 0:
             if load_acquire(stop, 0) != 0:
@@ -298,7 +279,7 @@ def _member(tid, nthr, kind, P, buf, flags, done, boxes, res, stop, job, sync, s
     gen = np.int64(0)
     if tid != 0:
         while True:
-            v = _wait_at_least(sync, _S_GEN, gen + 1, stop, clk, nap, ts)
+            v = _wait_at_least(sync, _S_GEN, gen + 1, 0, stop, clk, nap, ts)
             if v < 0:
                 return
             gen += 1
@@ -311,7 +292,7 @@ def _member(tid, nthr, kind, P, buf, flags, done, boxes, res, stop, job, sync, s
     expect = np.int64(1)
     while True:
         for li in range(n_l):
-            f = _wait_flag(flags, li, expect, stop, clk, nap, ts)
+            f = _wait_at_least(flags, li, expect, 8, stop, clk, nap, ts)
             if f < 0:
                 job[_J_LAYER] = -1
                 store_release(sync, _S_GEN, gen + 1)
