@@ -39,6 +39,7 @@ The step has no host synchronisation and is captured as one CUDA graph by
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields, is_dataclass
 
@@ -239,8 +240,14 @@ class Net(qwen3next.Net):
     # length buckets of the indexer (module docstring) ------------------------------------
     MIN_BUCKET = 1024
 
+    @functools.cached_property
+    def _indexed(self) -> bool:
+        """Whether a layer has the indexer (once: variant_for runs every step)."""
+        a = self.args
+        return any(a.compress[il] and not a.recurrent[il] for il in range(a.n_layer))
+
     def variants(self, ctx: int) -> list:
-        if not any(self.args.compress[il] and not self.args.recurrent[il] for il in range(self.args.n_layer)):
+        if not self._indexed:
             return [None]
         out, n = [], self.MIN_BUCKET
         while n < ctx:
@@ -249,7 +256,7 @@ class Net(qwen3next.Net):
         return out + [ctx]
 
     def variant_for(self, pos: int, ctx: int):
-        if not any(self.args.compress[il] and not self.args.recurrent[il] for il in range(self.args.n_layer)):
+        if not self._indexed:
             return None
         n = self.MIN_BUCKET
         while n <= pos and n < ctx:

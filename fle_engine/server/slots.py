@@ -443,7 +443,8 @@ class Engine:
             slot.logits = None
         return have
 
-    def _begin(self, slot: Slot, task: _Task) -> None:
+    def _attach(self, slot: Slot, task: _Task):
+        """What every task gets when it takes a slot; returns its job."""
         job = task.job
         task.slot, slot.task = slot, task
         slot.t_last = time.monotonic()
@@ -452,6 +453,10 @@ class Engine:
         task.sampler = Sampler(job.params)
         task.decoder = self.tok.stream()
         task.scan = StopScanner(job.stop)
+        return job
+
+    def _begin(self, slot: Slot, task: _Task) -> None:
+        job = self._attach(slot, task)
         eog = self.tok.eog_ids
         if not self.stepped:
             stop = () if job.ignore_eos else eog
@@ -470,14 +475,7 @@ class Engine:
     def _begin_child(self, slot: Slot, task: _Task) -> None:
         """A completion of a group other than the first: it waits for the
         first one's prompt and starts from a copy of that state."""
-        job = task.job
-        task.slot, slot.task = slot, task
-        slot.t_last = time.monotonic()
-        slot.n_decoded = 0
-        task.t0 = time.perf_counter()
-        task.sampler = Sampler(job.params)
-        task.decoder = self.tok.stream()
-        task.scan = StopScanner(job.stop)
+        job = self._attach(slot, task)
         task.waiting = True
         slot.cacheable = False           # the parent's slot keeps the prompt for the cache
         task.history = list(job.prompt)

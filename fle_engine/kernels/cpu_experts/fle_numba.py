@@ -181,6 +181,29 @@ def _dec_q6_k(b, o, w8, sc16):
 
 
 @njit(cache=True, inline="always")
+def _decode_block(code, w, o, w64, w8, sc, mn):
+    """A 256-value block at w[o:] into the int8 lanes (w64 / w8) and its
+    scales (sc) and mins (mn); IQ4_XS and Q4_K: the scales only (their
+    nibbles are multiplied in place)."""
+    if code == _IQ2_XS:
+        _dec_iq2_xs(w, o, w64, sc)
+    elif code == _IQ2_S:
+        _dec_iq2_s(w, o, w64, sc)
+    elif code == _IQ3_XXS:
+        _dec_iq3_xxs(w, o, w64, sc)
+    elif code == _IQ3_S:
+        _dec_iq3_s(w, o, w64, sc)
+    elif code == _IQ4_XS:
+        _scales_iq4_xs(w, o, sc)
+    elif code == _Q4_K:
+        _scales_q4_k(w, o, sc, mn)
+    elif code == _Q5_K:
+        _dec_q5_k(w, o, w8, sc, mn)
+    else:
+        _dec_q6_k(w, o, w8, sc)
+
+
+@njit(cache=True, inline="always")
 def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
     """acc[k] = the row ``w`` (uint8, nb blocks) times activation row arow[k]."""
     w8 = w64.view(np.int8)
@@ -289,18 +312,7 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
         a = acc[0]
         for bi in range(nb):
             o = size * bi
-            if code == _IQ2_XS:
-                _dec_iq2_xs(w, o, w64, sc)
-            elif code == _IQ2_S:
-                _dec_iq2_s(w, o, w64, sc)
-            elif code == _IQ3_XXS:
-                _dec_iq3_xxs(w, o, w64, sc)
-            elif code == _IQ3_S:
-                _dec_iq3_s(w, o, w64, sc)
-            elif code == _Q5_K:
-                _dec_q5_k(w, o, w8, sc, mn)
-            else:
-                _dec_q6_k(w, o, w8, sc)
+            _decode_block(code, w, o, w64, w8, sc, mn)
             if code == _IQ2_XS or code == _IQ2_S or code == _Q6_K:
                 s = _dot_halves(w8, sc, xr, 256 * bi)
             else:
@@ -317,22 +329,7 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
         return
     for bi in range(nb):
         o = size * bi
-        if code == _IQ2_XS:
-            _dec_iq2_xs(w, o, w64, sc)
-        elif code == _IQ2_S:
-            _dec_iq2_s(w, o, w64, sc)
-        elif code == _IQ3_XXS:
-            _dec_iq3_xxs(w, o, w64, sc)
-        elif code == _IQ3_S:
-            _dec_iq3_s(w, o, w64, sc)
-        elif code == _IQ4_XS:
-            _scales_iq4_xs(w, o, sc)
-        elif code == _Q4_K:
-            _scales_q4_k(w, o, sc, mn)
-        elif code == _Q5_K:
-            _dec_q5_k(w, o, w8, sc, mn)
-        else:
-            _dec_q6_k(w, o, w8, sc)
+        _decode_block(code, w, o, w64, w8, sc, mn)
         if code == _Q6_K:
             dw = fp16_at(w, o + 208)
         else:

@@ -74,12 +74,17 @@ _NAP_US = 100
 # ordered and atomic accesses to int64 words, and two libc calls
 
 
+def _item_ptr(context, builder, sig, args):
+    """The address of arr[idx] for an intrinsic's (arr, idx, ...) arguments."""
+    aryty = sig.args[0]
+    ary = context.make_array(aryty)(context, builder, args[0])
+    return cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
+
+
 @intrinsic
 def load_acquire(typingctx, arr, idx):
     def codegen(context, builder, sig, args):
-        aryty = sig.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
+        ptr = _item_ptr(context, builder, sig, args)
         return builder.load_atomic(ptr, "acquire", 8)
     return arr.dtype(arr, idx), codegen
 
@@ -87,9 +92,7 @@ def load_acquire(typingctx, arr, idx):
 @intrinsic
 def store_release(typingctx, arr, idx, val):
     def codegen(context, builder, sig, args):
-        aryty = sig.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
+        ptr = _item_ptr(context, builder, sig, args)
         builder.store_atomic(args[2], ptr, "release", 8)
         return context.get_dummy_value()
     return types.void(arr, idx, val), codegen
@@ -99,9 +102,7 @@ def store_release(typingctx, arr, idx, val):
 def fetch_add(typingctx, arr, idx, val):
     """arr[idx] += val atomically; returns the old value."""
     def codegen(context, builder, sig, args):
-        aryty = sig.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
+        ptr = _item_ptr(context, builder, sig, args)
         return builder.atomic_rmw("add", ptr, args[2], "seq_cst")
     return arr.dtype(arr, idx, val), codegen
 
