@@ -42,6 +42,11 @@ Signatures (both sides; outputs written in place):
   a layer's misses (:mod:`fle_engine.runtime.split`); the reference computes
   it at once in the post, the fast side hands it to the worker thread
 - ``experts(..., cpu_share=s)`` skips the rows that the CPU computes
+- ``gemm(space, qtype, blk_base, rows, x, y, n_out, row_bytes, mode,
+  up_words=, n_used=, weights=, block_m=, bf16=)``: many rows at once
+  (prefill), for a dense matrix or a layer's experts sorted and padded by
+  expert (:mod:`.triton_gemm` says how the modes read and write rows);
+  matrices at word offsets of a :class:`WordSpace`
 """
 from __future__ import annotations
 
@@ -56,7 +61,7 @@ from fle_quant.ggml_types import GGMLType
 
 from .reference import dequantize_weights
 
-__all__ = ["OPS", "pick", "ExpertWords", "WORDS", "Q8Cache", "q8_0_quantize", "kv_nbytes"]
+__all__ = ["OPS", "pick", "ExpertWords", "WordSpace", "WORDS", "Q8Cache", "q8_0_quantize", "kv_nbytes"]
 
 
 class ExpertWords:
@@ -67,6 +72,32 @@ class ExpertWords:
 
     def __init__(self, slots: Tensor, host: Tensor, word: int):
         self.slots, self.host, self.word = slots, host, int(word)
+
+
+class WordSpace:
+    """Byte buffers addressed by offsets from the first one's address, as
+    the fast kernels address them (one base pointer): ``base`` and any
+    ``others`` (uint8 tensors on one device). The reference resolves an
+    offset to the buffer that holds it."""
+
+    def __init__(self, base: Tensor, *others: Tensor):
+        self.base = base.reshape(-1)
+        self._parts = [(0, self.base)] + [(t.data_ptr() - self.base.data_ptr(), t.reshape(-1)) for t in others]
+
+    def offset(self, t: Tensor) -> int:
+        """Byte offset of ``t``'s first byte from the base."""
+        return t.data_ptr() - self.base.data_ptr()
+
+    def words(self, qtype: GGMLType) -> Tensor:
+        return self.base.view(WORDS[qtype])
+
+    def matrix(self, byte_off: int, n_rows: int, row_bytes: int) -> Tensor:
+        """uint8 [n_rows, row_bytes] starting ``byte_off`` bytes from the base."""
+        n = n_rows * row_bytes
+        for start, t in self._parts:
+            if start <= byte_off and byte_off + n <= start + t.numel():
+                return t[byte_off - start:byte_off - start + n].view(n_rows, row_bytes)
+        raise FleError(f"internal: no buffer holds bytes {byte_off}..{byte_off + n} of the word space")
 
 
 class Q8Cache:
@@ -291,6 +322,40 @@ def gather_rows_ref(table: Tensor, qtype: GGMLType, host_delta: int, rows: Tenso
     out.copy_(vals.reshape(-1).to(out.device))
 
 
+def gemm_ref(space: WordSpace, qtype: GGMLType, blk_base: Tensor, rows: "Tensor | None", x: Tensor, y: Tensor,
+             n_out: int, row_bytes: int, mode: str, *, up_words: int = 0, n_used: int = 1,
+             weights: "Tensor | None" = None, block_m: int = 64, bf16=None) -> Tensor:
+    word = WORDS[qtype].itemsize
+    bases = blk_base.reshape(-1).cpu().tolist()
+    xf = x.float()
+
+    def mat(base_words: int) -> Tensor:
+        return dequantize_weights(space.matrix(base_words * word, n_out, row_bytes), qtype).to(x.device)
+
+    if mode == "dense":
+        if bases:
+            w = mat(bases[0])
+            y[:x.shape[0], :n_out] = xf[:, :w.shape[1]] @ w.T
+        return y
+    flat = rows.reshape(-1).cpu()
+    for b, base in enumerate(bases):
+        if flat[b * block_m] < 0:                     # a block without rows
+            continue
+        places = torch.arange(b * block_m, (b + 1) * block_m)
+        f = flat[places]
+        keep = f >= 0
+        places, f = places[keep].to(x.device), f[keep].to(x.device)
+        if not len(f):
+            continue
+        w = mat(base)
+        if mode == "gate_up":
+            xs = xf[f // n_used, :w.shape[1]]
+            y[places, :n_out] = F.silu(xs @ w.T) * (xs @ mat(base + up_words).T)
+        else:
+            y[f, :n_out] = (xf[places, :w.shape[1]] @ w.T) * weights.reshape(-1)[f][:, None]
+    return y
+
+
 # ---------------------------------------------------------------------------
 # the table
 
@@ -301,13 +366,21 @@ def _fast():
     return SimpleNamespace(experts=te.experts, route_topk=te.route_topk, add_rmsnorm=te.add_rmsnorm,
                            qk_rope_kv=te.qk_rope_kv, attention=te.attention, embed_row=te.embed_row,
                            hc_write_norm=te.hc_write_norm, hc_mix=te.hc_mix, gather_rows=te.gather_rows,
-                           gdn_step=te.gdn_step, post_misses=te.post_misses, wait_misses=te.wait_misses)
+                           gdn_step=te.gdn_step, post_misses=te.post_misses, wait_misses=te.wait_misses,
+                           gemm=_gemm_fast)
+
+
+def _gemm_fast(space: WordSpace, qtype: GGMLType, *args, **kw) -> Tensor:
+    from . import triton_gemm
+
+    return triton_gemm.gemm(space.words(qtype), qtype, *args, **kw)
 
 
 REFERENCE = SimpleNamespace(experts=experts_ref, route_topk=route_topk_ref, add_rmsnorm=add_rmsnorm_ref,
                             qk_rope_kv=qk_rope_kv_ref, attention=attention_ref, embed_row=embed_row_ref,
                             hc_write_norm=hc_write_norm_ref, hc_mix=hc_mix_ref, gather_rows=gather_rows_ref,
-                            gdn_step=gdn_step_ref, post_misses=post_misses_ref, wait_misses=wait_misses_ref)
+                            gdn_step=gdn_step_ref, post_misses=post_misses_ref, wait_misses=wait_misses_ref,
+                            gemm=gemm_ref)
 
 # name -> (reference, fast) ; the fast side is filled on first use (it imports triton)
 OPS: dict[str, tuple] = {name: (getattr(REFERENCE, name), None) for name in vars(REFERENCE)}
