@@ -122,3 +122,100 @@ def test_gemm_kernel_modes(fast, qtype):
             _close(ref[0][place, :n_ff], hh, 1e-5)
             _close(ref[1][t * k + j], (ref[0][place] @ D[e].T) * wts[t * k + j], 1e-5)
     _close(ref[2], x @ G[0].T, 1e-5)
+
+
+# ---------------------------------------------------------------------------
+# prefill on the engine against decode steps
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("prefill") / "m.gguf", "qwen3moe", seed=3, mix="release",
+                      routing_skew=1.0)
+
+
+def _engine(path, slots, ubatch=16, **kw):
+    probe = Engine(path, device=DEVICE, cache_budget=0, ctx_size=64, profile_path="none", progress=False,
+                   log=lambda m: None, graphs=False)
+    per_layer = sum(l.expert_bytes for l in probe.net.layouts.values()) // probe.args.n_layer
+    n_layer = probe.args.n_layer
+    probe.close()
+    return Engine(path, device=DEVICE, cache_budget=slots * per_layer * n_layer, ctx_size=160, cache_type_k="f32",
+                  cache_type_v="f32", profile_path="none", progress=False, log=lambda m: None, ubatch=ubatch,
+                  prefill_min=1, **kw)
+
+
+def _logits_kld(p_logits, q_logits):
+    p = torch.log_softmax(p_logits.double(), -1)
+    q = torch.log_softmax(q_logits.double(), -1)
+    return float((p.exp() * (p - q)).sum())
+
+
+@pytest.mark.parametrize("slots", [2, 8])
+def test_prefill_equals_decode_steps(model_file, slots):
+    """A 40-token prompt in micro-batches of 16 (three: the later ones attend
+    to the cache before them) gives the logits and greedy tokens of the same
+    prompt fed as decode steps; the expert cache is as before it."""
+    prompt = [int(t) for t in np.random.default_rng(5).integers(1, 200, 40)]
+    steps = _engine(model_file, slots, ubatch=0)
+    assert steps.prefill is None
+    steps.generate(prompt, 1)
+    want_logits = steps.state.bufs.logits[0].cpu().clone()
+    want = steps.generate(prompt, 24)
+    steps.close()
+
+    eng = _engine(model_file, slots)
+    got_first = eng.generate(prompt, 1)
+    got_logits = eng.state.bufs.logits[0].cpu().clone()
+    st = eng.prefill.stats
+    assert st.tokens == 40 and st.ubatches == 3
+    uncached = sum(int((eng.cache.mirror[i] < 0).sum()) if l not in st.lent_layers else eng.args.n_expert
+                   for i, l in enumerate(eng.cache.layers))
+    per_expert = [eng.cache.layouts[l].expert_bytes for l in eng.cache.layers]
+    assert st.bytes_copied == 3 * sum(
+        (eng.args.n_expert if l in st.lent_layers else int((eng.cache.mirror[i] < 0).sum())) * per_expert[i]
+        for i, l in enumerate(eng.cache.layers))
+    assert uncached > 0 or slots == eng.args.n_expert
+    assert _logits_kld(want_logits, got_logits) < 1e-9
+    got = eng.generate(prompt, 24)
+    assert got_first == want[:1] and got == want
+    assert eng.stats.prompt_tokens == 80
+    # the slots that hold experts are as before a prefill (the lent ones copied back)
+    before = eng.cache.slots.cpu().clone()
+    eng.prefill.run(prompt[:20], 0)
+    after = eng.cache.slots.cpu()
+    held = 0
+    for i, l in enumerate(eng.cache.layers):
+        for s, e in enumerate(eng.cache.expert_in[i].tolist()):
+            if e >= 0:
+                eb = eng.cache.layouts[l].expert_bytes
+                o = eng.cache.region[l] + s * eb
+                assert after[o:o + eb].equal(before[o:o + eb])
+                held += 1
+    assert held
+    eng.close()
+
+
+def test_prefill_lends_from_the_cache(model_file):
+    """With room in the slot buffer the staging ring is the back of it (those
+    layers count as uncached for the prefill); with little room, its own."""
+    eng = _engine(model_file, 8)
+    from fle_engine.runtime.prefill import Staging
+
+    stg = Staging(eng.cache)
+    assert stg.own is None and stg.lent_layers and stg.nbytes_lent() == 2 * stg.size
+    assert stg.lent_layers == sorted(stg.lent_layers) and stg.lent_layers[-1] == eng.cache.layers[-1]
+    eng.close()
+    small = _engine(model_file, 1)
+    stg = Staging(small.cache)
+    if small.cache.nbytes < 2 * stg.size:
+        assert stg.own is not None and not stg.lent_layers
+    small.close()
+
+
+def test_prefill_off_for_recurrent_architectures(tmp_path):
+    path = make_model(tmp_path / "n.gguf", "qwen3next", seed=4, mix="release", routing_skew=1.0)
+    eng = Engine(path, device=DEVICE, cache_budget="auto", ctx_size=64, profile_path="none", progress=False,
+                 log=lambda m: None, prefill_min=1)
+    assert eng.prefill is None
+    eng.close()

@@ -55,6 +55,7 @@ class Net:
     """The engine's weights and step for one qwen3moe file."""
 
     Args = ModelArgs
+    supports_prefill = True     # runtime.prefill can process prompts many tokens at once
 
     def __init__(self, gguf, weights_view, device: torch.device, fast: bool):
         self.args = self.Args.from_weights(weights_view)
@@ -315,3 +316,72 @@ class Net:
             nxt = self.layers[il + 1].attn_norm if il + 1 < len(self.layers) else self.output_norm
             ops.add_rmsnorm(b.x, self.moe_parts(L.moe, state), nxt, a.eps, b.xn)
         self.head(state, ops)
+
+    # prefill (runtime.prefill): many tokens at once ---------------------------------------
+    def prefill_embed(self, tok: Tensor, ops) -> Tensor:
+        """Embedding rows of the tokens ``tok`` (int64 [T], device) -> float32 [T, D]."""
+        a = self.args
+        if self.tok_embd.qtype in W.FLOAT_TYPES:
+            return self.tok_embd.data[tok].float().contiguous()
+        out = torch.empty(tok.numel() * a.n_embd, dtype=torch.float32, device=tok.device)
+        ops.gather_rows(self.tok_embd.data, self.tok_embd.qtype, 0, tok, out)
+        return out.view(tok.numel(), a.n_embd)
+
+    def prefill_mixer(self, L: Layer, il: int, xn: Tensor, out: Tensor, pos0: int, state, ops) -> None:
+        """The token mixer of T tokens at positions pos0 .. pos0 + T - 1:
+        ``xn`` [T, D] -> ``out`` [T, D]."""
+        self.prefill_attention(L.mixer, il, xn, out, pos0, state, ops)
+
+    def prefill_attention(self, at: Attn, il: int, xn: Tensor, out: Tensor, pos0: int, state, ops) -> None:
+        """Attention of T tokens (the decode step's arithmetic for many rows):
+        q/k norms and rotary at their positions, K and V written into the
+        cache, each token attending to the cache up to its own position."""
+        from ..kernels.engine_ops import Q8Cache, q8_0_quantize
+        from ..layers import apply_rope_neox, rms_norm
+        from .prefill import dense_rows
+
+        a, hd = self.args, self.args.head_dim
+        T = xn.shape[0]
+        nq, nkv = a.n_head * hd, a.n_head_kv * hd
+        width = nq + 2 * nkv + (nq if at.gated else 0)
+        qkv = torch.empty(T, width, dtype=torch.float32, device=xn.device)
+        off = 0
+        for m in ([at.qkv] if at.qkv is not None else at.parts):
+            dense_rows(m, xn, qkv[:, off:off + m.n_out], ops)
+            off += m.n_out
+        q = rms_norm(qkv[:, :nq].reshape(T, a.n_head, hd), at.q_norm, a.eps)
+        k = rms_norm(qkv[:, nq:nq + nkv].reshape(T, a.n_head_kv, hd), at.k_norm, a.eps)
+        v = qkv[:, nq + nkv:nq + 2 * nkv].reshape(T, a.n_head_kv, hd)
+        c, s = state.rope_cos[pos0:pos0 + T], state.rope_sin[pos0:pos0 + T]
+        rot = a.n_rot
+        q = torch.cat([apply_rope_neox(q[..., :rot], c, s), q[..., rot:]], -1) if rot < hd else apply_rope_neox(q, c, s)
+        k = torch.cat([apply_rope_neox(k[..., :rot], c, s), k[..., rot:]], -1) if rot < hd else apply_rope_neox(k, c, s)
+        kc, vc = state.kv[il][:2]
+        end = pos0 + T
+        for cache, val in ((kc, k), (vc, v)):
+            val = val.transpose(0, 1)                                       # [Hkv, T, Dh]
+            if isinstance(cache, Q8Cache):
+                qv, d = q8_0_quantize(val)
+                cache.q[:, pos0:end], cache.d[:, pos0:end] = qv, d
+            else:
+                cache[:, pos0:end] = val.to(cache.dtype)
+        kk, vv = (cc.values(end) if isinstance(cc, Q8Cache) else cc[:, :end] for cc in (kc, vc))
+        dt = kk.dtype if kk.dtype in (torch.float16, torch.bfloat16) else torch.float32
+        group = a.n_head // a.n_head_kv
+        kk = kk.to(dt).repeat_interleave(group, dim=0)[None]
+        vv = vv.to(dt).repeat_interleave(group, dim=0)[None]
+        qh = q.transpose(0, 1).to(dt)[None]                                  # [1, H, T, Dh]
+        scale = getattr(a, "attn_scale", hd ** -0.5)
+        if pos0 == 0:
+            o = F.scaled_dot_product_attention(qh, kk, vv, is_causal=True, scale=scale)
+        else:
+            mask = torch.arange(end, device=xn.device)[None, :] <= (pos0 + torch.arange(T, device=xn.device))[:, None]
+            o = F.scaled_dot_product_attention(qh, kk, vv, attn_mask=mask, scale=scale)
+        o = o[0].transpose(0, 1).reshape(T, nq).float()
+        if at.gated:
+            o = o * torch.sigmoid(qkv[:, nq + 2 * nkv:2 * nq + 2 * nkv])
+        dense_rows(at.wo, o.contiguous(), out, ops)
+
+    def prefill_parts(self, m: Moe, buf) -> Tensor:
+        """The parts that the layer's MoE wrote for T tokens: [T, K, D]."""
+        return buf.y.view(buf.T, self.args.n_expert_used, self.args.n_embd)

@@ -45,6 +45,7 @@ class GDN:
 
 class Net(qwen3moe.Net):
     Args = ModelArgs
+    supports_prefill = False    # the GDN layers have no many-token form yet: prompts run as decode steps
     # GDN variants: the output gate's activation, and which K head a V head
     # reads (grouped: j // (Hv / Hk); tiled: j mod Hk)
     gdn_sigmoid = False       # output gate silu(z) (sigmoid(z): qwen4exp)
