@@ -165,6 +165,26 @@ class UpstreamFailed(RuntimeError):
     pass
 
 
+def upstream_prefill(exe: Path, model: Path, n_cpu_moe: int, prompts: list[int], ubatches: list[int], threads: int,
+                     reps: int) -> list[dict]:
+    """Upstream's prompt processing tok/s per (prompt length, micro-batch),
+    flash attention on (its faster prefill), the logical batch as large as
+    the largest prompt so that ``-ub`` takes effect."""
+    cmd = [str(exe), "-m", str(model), "-ngl", "99", "-ncmoe", str(n_cpu_moe), "-t", str(threads),
+           "-p", ",".join(map(str, prompts)), "-n", "0", "-b", str(max(prompts + ubatches)),
+           "-ub", ",".join(map(str, ubatches)), "-fa", "1", "-r", str(reps), "-lm", "none", "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        rows = json.loads(out.stdout) if out.returncode == 0 else None
+    except json.JSONDecodeError:
+        rows = None
+    if not rows:
+        tail = " | ".join((out.stderr or out.stdout or "").strip().splitlines()[-3:])
+        raise UpstreamFailed(f"upstream prefill failed on {model.name} (exit {out.returncode}): {tail}")
+    return [{"n_prompt": int(r["n_prompt"]), "n_ubatch": int(r["n_ubatch"]), "tok_s": float(r["avg_ts"])}
+            for r in rows]
+
+
 def shape_overrides(o: dict) -> dict:
     """The factory overrides of a shape; ``"primes:N:START"`` is the N primes from START."""
     from fle_quant.synth.common import prime_at_least
@@ -230,6 +250,59 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
     eng.close()
     del eng
     torch.cuda.empty_cache()
+    return res
+
+
+def fle_prefill(model: Path, budget: "int | str", prompts: list[int], ubatches: list[int], reps: int,
+                seed: int = 0) -> list[dict]:
+    """FLE's prefill tok/s per (prompt length, micro-batch), the expert cache
+    warmed by 64 decode steps first (1/3 of each layer's experts in their
+    slots); bytes streamed and the time the compute stream waited for copies."""
+    import torch
+
+    from fle_engine.runtime import Engine
+
+    eng = Engine(model, device="cuda", cache_budget=budget, ctx_size=max(prompts) + 80, profile_path="none",
+                 progress=False, miss_split="gpu")
+    rng = np.random.default_rng(seed)
+    n_vocab = eng.args.n_vocab
+    eng.generate([int(rng.integers(n_vocab))], 64, feed=rng.integers(n_vocab, size=64).tolist())
+    out = []
+    for ub in ubatches:
+        eng.prefill.ubatch = ub
+        eng.prefill.run(rng.integers(n_vocab, size=min(ub, max(prompts))).tolist(), 0)     # compile, warm
+        for n in prompts:
+            runs = []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                st = eng.prefill.run(rng.integers(n_vocab, size=n).tolist(), 0)
+                runs.append(st)
+            sec = float(np.mean([r.seconds for r in runs]))
+            last = runs[-1]
+            out.append({"n_prompt": n, "n_ubatch": ub, "tok_s": n / sec, "tok_s_runs": [n / r.seconds for r in runs],
+                        "ubatches": last.ubatches, "gb_streamed": last.bytes_copied / 1e9,
+                        "stream_gbps": last.bytes_copied / last.seconds / 1e9,
+                        "copy_wait_ms": last.copy_wait_seconds * 1e3, "lent_layers": len(last.lent_layers)})
+            print(f"  FLE prefill {n} tokens, -ub {ub}: {n / sec:.0f} tok/s ({last.ubatches} micro-batches, "
+                  f"{last.bytes_copied / 1e9:.2f} GB streamed, compute waiting for copies "
+                  f"{last.copy_wait_seconds * 1e3:.0f} of {last.seconds * 1e3:.0f} ms)", flush=True)
+    eng.close()
+    del eng
+    torch.cuda.empty_cache()
+    return out
+
+
+def prefill_ratios(up: list[dict], fle: list[dict]) -> dict:
+    """Per prompt length: FLE's best micro-batch against upstream's best."""
+    res = {}
+    for n in sorted({r["n_prompt"] for r in fle}):
+        f = max((r for r in fle if r["n_prompt"] == n), key=lambda r: r["tok_s"])
+        u = [r for r in up if r["n_prompt"] == n]
+        row = {"fle_tok_s": f["tok_s"], "fle_ubatch": f["n_ubatch"]}
+        if u:
+            b = max(u, key=lambda r: r["tok_s"])
+            row.update(upstream_tok_s=b["tok_s"], upstream_ubatch=b["n_ubatch"], ratio=f["tok_s"] / b["tok_s"])
+        res[str(n)] = row
     return res
 
 
@@ -363,6 +436,11 @@ def main(argv=None) -> int:
                    help="also: decode step cost at position 1,000 with 8,192 and 131,072 positions allocated, and "
                         "GPU memory over --memory-tokens decoded tokens (on the last file)")
     p.add_argument("--memory-tokens", type=int, default=10000)
+    p.add_argument("--prefill", default="",
+                   help="also prompt processing at these lengths, comma list (e.g. 1024,4096,8192): upstream with "
+                        "-ub 512 and 4096, FLE with --fle-ubatch, the same GPU bytes, on the first routing's file")
+    p.add_argument("--fle-ubatch", default="4096,8192", help="FLE's micro-batches for --prefill, comma list")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode runs (with --prefill)")
     args = p.parse_args(argv)
 
     from fle_quant.gguf_reader import GGUFModel
@@ -402,7 +480,7 @@ def main(argv=None) -> int:
         budget = exp_bytes * gpu_layers // n_layer
         row = {"routing": routing, "skew": skew, "simulated_curve": curve, "report_curve": {
             f"{f:.3f}": v for f, v in REPORT_CURVE.items()}, "expert_bytes": exp_bytes, "budget": budget}
-        if exe is not None:
+        if exe is not None and not args.no_decode:
             try:
                 row["upstream_tok_s"] = upstream_decode(exe, path, n_layer - gpu_layers, args.n_gen, args.threads,
                                                         args.reps)
@@ -411,8 +489,28 @@ def main(argv=None) -> int:
             except UpstreamFailed as e:
                 row["upstream_error"] = str(e)
                 print(f"[{routing}] {e}", flush=True)
+        if args.prefill and routing == args.routing.split(",")[0]:
+            prompts = [int(v) for v in args.prefill.split(",")]
+            pf = row["prefill"] = {"prompts": prompts}
+            if exe is not None:
+                try:
+                    pf["upstream"] = upstream_prefill(exe, path, n_layer - gpu_layers, prompts, [512, 4096],
+                                                      args.threads, args.reps)
+                    for r in pf["upstream"]:
+                        print(f"[{routing}] upstream prefill {r['n_prompt']} tokens, -ub {r['n_ubatch']}: "
+                              f"{r['tok_s']:.0f} tok/s", flush=True)
+                except UpstreamFailed as e:
+                    pf["upstream_error"] = str(e)
+                    print(f"[{routing}] {e}", flush=True)
+            pf["fle"] = fle_prefill(path, budget, prompts, [int(v) for v in args.fle_ubatch.split(",")], args.reps)
+            pf["ratios"] = prefill_ratios(pf.get("upstream", []), pf["fle"])
+            for n, r in pf["ratios"].items():
+                if "ratio" in r:
+                    print(f"[{routing}] prefill {n} tokens: FLE {r['fle_tok_s']:.0f} tok/s (-ub {r['fle_ubatch']}) / "
+                          f"upstream {r['upstream_tok_s']:.0f} (-ub {r['upstream_ubatch']}) = {r['ratio']:.2f}",
+                          flush=True)
         row["fle_split"] = {}
-        for split in args.miss_split.split(","):
+        for split in ([] if args.no_decode else args.miss_split.split(",")):
             f = row["fle_split"][split] = fle_decode(path, budget, args.n_gen, args.reps, miss_split=split)
             print(f"[{routing}] FLE cache {budget / 2**30:.2f} GiB, misses {split} (CPU share {f['cpu_share']:.0%}, "
                   f"{f['cpu_kernels']} kernels): {f['tok_s']:.1f} tok/s, hit rate {f['hit_rate']:.3f}, "
@@ -422,7 +520,7 @@ def main(argv=None) -> int:
             if "upstream_tok_s" in row:
                 f["ratio"] = f["tok_s"] / row["upstream_tok_s"]
                 print(f"[{routing}] ratio FLE (misses {split}) / upstream = {f['ratio']:.2f}", flush=True)
-        if args.link_gbps:
+        if args.link_gbps and not args.no_decode:
             pinned = results.setdefault("pinned_copy_gbps", pinned_copy_bps() / 1e9)
             lm = row["link_model"] = link_model(row, args.link_gbps * 1e9, pinned * 1e9)
             if lm is not None:
@@ -435,6 +533,9 @@ def main(argv=None) -> int:
                     msg += (f"; upstream {lm['upstream_tok_s']:.1f} (measured: its misses run on the CPU); "
                             f"ratio hybrid / upstream {lm['hybrid_ratio']:.2f}")
                 print(msg, flush=True)
+        if args.no_decode:
+            results["runs"].append(row)
+            continue
         best = max(row["fle_split"], key=lambda k: row["fle_split"][k]["tok_s"])
         row["fle"] = f = row["fle_split"][best]
         if "upstream_tok_s" in row:

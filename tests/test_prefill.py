@@ -134,15 +134,18 @@ def model_file(tmp_path_factory):
                       routing_skew=1.0)
 
 
-def _engine(path, slots, ubatch=16, **kw):
+def _engine(path, slots, ubatch=16, bf16=False, **kw):
     probe = Engine(path, device=DEVICE, cache_budget=0, ctx_size=64, profile_path="none", progress=False,
                    log=lambda m: None, graphs=False)
     per_layer = sum(l.expert_bytes for l in probe.net.layouts.values()) // probe.args.n_layer
     n_layer = probe.args.n_layer
     probe.close()
-    return Engine(path, device=DEVICE, cache_budget=slots * per_layer * n_layer, ctx_size=160, cache_type_k="f32",
-                  cache_type_v="f32", profile_path="none", progress=False, log=lambda m: None, ubatch=ubatch,
-                  prefill_min=1, **kw)
+    eng = Engine(path, device=DEVICE, cache_budget=slots * per_layer * n_layer, ctx_size=160, cache_type_k="f32",
+                 cache_type_v="f32", profile_path="none", progress=False, log=lambda m: None, ubatch=ubatch,
+                 prefill_min=1, **kw)
+    if eng.prefill is not None:
+        eng.prefill.bf16 = bf16              # float32 products: the comparison with decode steps is exact
+    return eng
 
 
 def _logits_kld(p_logits, q_logits):
@@ -219,3 +222,18 @@ def test_prefill_off_for_recurrent_architectures(tmp_path):
                  log=lambda m: None, prefill_min=1)
     assert eng.prefill is None
     eng.close()
+
+
+@pytest.mark.skipif(not CUDA, reason="bfloat16 tensor-core products need CUDA")
+def test_prefill_bf16_close_to_float32(model_file):
+    """The product path (bfloat16 inputs on tensor cores): the logits after a
+    prompt stay within mean KLD 1e-3 of the float32 products'."""
+    prompt = [int(t) for t in np.random.default_rng(6).integers(1, 200, 64)]
+    eng = _engine(model_file, 2, ubatch=32)
+    eng.generate(prompt, 1)
+    f32 = eng.state.bufs.logits[0].cpu().clone()
+    eng.prefill.bf16 = None
+    eng.generate(prompt, 1)
+    bf = eng.state.bufs.logits[0].cpu().clone()
+    eng.close()
+    assert _logits_kld(f32, bf) < 1e-3

@@ -111,19 +111,21 @@ CONFIG = {"dense": (64, 4), "gate_up": (32, 4), "down": (64, 4)}
 
 def gemm(words: Tensor, qtype: GGMLType, blk_base: Tensor, rows: "Tensor | None", x: Tensor, y: Tensor,
          n_out: int, row_bytes: int, mode: str, *, up_words: int = 0, n_used: int = 1,
-         weights: "Tensor | None" = None, block_m: int = 64, bf16: "bool | None" = None) -> Tensor:
+         weights: "Tensor | None" = None, block_m: int = 64, bf16: "bool | None" = None,
+         config: "tuple[int, int] | None" = None) -> Tensor:
     """``y`` rows from ``x`` rows (float32) and the matrices at word offsets
     ``blk_base`` [programs along M] int64 of ``words`` (any value for a block
     without rows) (the module docstring
     says how the modes read and write rows). ``rows`` int32/int64 [padded]:
     the (token, expert) row of each padded place (-1: padding; None for
     ``dense``); ``up_words``: the up rows' distance from the gate rows;
-    ``weights`` float32 [T * n_used]: the down pass's routing weights."""
+    ``weights`` float32 [T * n_used]: the down pass's routing weights;
+    ``config``: (BLOCK_N, warps) instead of :data:`CONFIG` (tuning)."""
     fmt = _FORMATS[qtype]
     values, size = BLOCK_GEOMETRY[qtype]
     n_blocks = row_bytes // size
     a, b, c = fmt.tile
-    block_n, warps = CONFIG[mode]
+    block_n, warps = config or CONFIG[mode]
     if bf16 is None:
         bf16 = not _INTERPRET
     n_rows = x.shape[0] if mode == "dense" else 0

@@ -71,16 +71,17 @@ def pad_by_expert(ids: Tensor, n_expert: int, block_m: int) -> tuple[Tensor, Ten
     return rows, blk_expert
 
 
-def dense_rows(m, x: Tensor, out: Tensor, ops, block_m: int = 64) -> Tensor:
+def dense_rows(m, x: Tensor, out: Tensor, ops, bf16: "bool | None" = None, block_m: int = 64) -> Tensor:
     """``out`` [T, n_out] = x [T, n_in] @ W.T for a DenseMatrix ``m``, every
-    row at once (the GEMM kernel; a float matrix by torch)."""
+    row at once (the GEMM kernel, ``bf16`` inputs or float32; a float matrix
+    by torch)."""
     if m.qtype in FLOAT_TYPES:
         out.copy_(torch.matmul(x, m.data.T))
         return out
     n_blk = (x.shape[0] + block_m - 1) // block_m
     blk = torch.zeros(n_blk, dtype=torch.int64, device=x.device)
     return ops.gemm(engine_ops.WordSpace(m.data), m.qtype, blk, None, x, out, m.n_out, m.data.shape[1], "dense",
-                    block_m=block_m)
+                    block_m=block_m, bf16=bf16)
 
 
 @dataclass
@@ -192,8 +193,10 @@ class Prefill:
     next token in ``state.tok``, the last token's logits in
     ``state.bufs.logits`` and ``state.pos`` at ``pos0 + len(tokens)``."""
 
-    def __init__(self, engine, ubatch: int = 4096, block_m: int = 64, depth: int = 2):
+    def __init__(self, engine, ubatch: int = 4096, block_m: int = 64, depth: int = 2, bf16: "bool | None" = None):
         self.eng, self.ubatch, self.block_m, self.depth = engine, int(ubatch), int(block_m), int(depth)
+        # the GEMMs' inputs: bfloat16 on tensor cores (None: on CUDA), or float32 (checks, the interpreter)
+        self.bf16 = bf16
         self.stats = PrefillStats()
 
     def run(self, tokens, pos0: int = 0) -> PrefillStats:
@@ -206,6 +209,7 @@ class Prefill:
         if cuda:
             main.wait_stream(cache.copy_stream)              # admissions in flight land before slots are lent
         stg = Staging(cache, self.depth)
+        st.prefill_bf16 = self.bf16
         stats.lent_layers = list(stg.lent_layers)
         copy = torch.cuda.Stream(dev) if cuda else None
         if cuda:
@@ -309,9 +313,9 @@ class Prefill:
         base_dn = stg.base_words(il, j, lay.down_type, lay.down_offset)[e_idx]
         h = buf.h(rows.numel(), lay.n_ff)
         ops.gemm(stg.space, lay.gu_type, base_gu, rows, xn, h, lay.n_ff, lay.gu_row_bytes, "gate_up",
-                 up_words=lay.n_ff * lay.gu_row_bytes // gu_w, n_used=k, block_m=self.block_m)
+                 up_words=lay.n_ff * lay.gu_row_bytes // gu_w, n_used=k, block_m=self.block_m, bf16=self.bf16)
         ops.gemm(stg.space, lay.down_type, base_dn, rows, h, buf.y, a.n_embd, lay.down_row_bytes, "down",
-                 n_used=k, weights=w.reshape(-1).contiguous(), block_m=self.block_m)
+                 n_used=k, weights=w.reshape(-1).contiguous(), block_m=self.block_m, bf16=self.bf16)
         if m.shared is not None:
             self.eng.net.prefill_shared(m, xn, buf, ops)
 
