@@ -67,8 +67,7 @@ def main(argv=None) -> int:
           f"uncached 2/3 take {copy_ms:.2f} ms to copy")
     configs = [(64, (32, 4), (64, 4))]
     if args.sweep:
-        configs = [(bm, gu, dn) for bm in (32, 64, 128) for gu in ((32, 4), (64, 4), (64, 8), (128, 8))
-                   for dn in ((64, 4), (128, 8))]
+        configs = [(bm, gu, dn) for bm in (64, 128) for gu in ((32, 4), (64, 8)) for dn in ((64, 4), (128, 8))]
     for bm, cgu, cdn in configs:
         rows, blk_e = pad_by_expert(ids, E, bm)
         base_gu = blk_e.clamp(min=0) * (eb // w)
