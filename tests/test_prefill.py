@@ -21,7 +21,7 @@ if not CUDA:
 from fle_engine import load  # noqa: E402
 from fle_engine.kernels import engine_ops  # noqa: E402
 from fle_engine.runtime import Engine  # noqa: E402
-from fle_engine.runtime.prefill import pad_by_expert  # noqa: E402
+from fle_engine.runtime.prefill import grouped_mm, sort_by_expert  # noqa: E402
 from fle_quant.errors import FleError  # noqa: E402
 from fle_quant.ggml_types import GGMLType  # noqa: E402
 from fle_quant.quants import quantize  # noqa: E402
@@ -43,85 +43,46 @@ def fast():
     return engine_ops.pick("triton", DEVICE)
 
 
-def test_pad_by_expert():
+def test_sort_by_expert_and_grouped_mm():
     ids = torch.tensor([[3, 1], [1, 0], [3, 2], [1, 3]], dtype=torch.int64)
-    rows, blk_expert = pad_by_expert(ids, n_expert=5, block_m=2)
-    rows, blk_expert = rows.tolist(), blk_expert.tolist()
-    # experts 0 (1 row), 1 (3), 2 (1), 3 (3), padded to 2: 2 + 4 + 2 + 4 = 12 places, 6 blocks
-    assert blk_expert[:6] == [0, 1, 1, 2, 3, 3] and all(e < 0 for e in blk_expert[6:])
-    assert rows[:12] == [3, -1, 1, 2, 6, -1, 5, -1, 0, 4, 7, -1]
-    assert all(r < 0 for r in rows[12:])
-    assert len(rows) == len(blk_expert) * 2
+    order, ends = sort_by_expert(ids, n_expert=5)
+    assert order.tolist() == [3, 1, 2, 6, 5, 0, 4, 7] and ends.tolist() == [1, 4, 5, 8, 8]
+    x = torch.randn(8, 16)
+    w = torch.randn(5, 4, 16)
+    y = grouped_mm(x, w, ends)
+    e_of = ids.reshape(-1)[order]
+    for r in range(8):
+        _close(y[r], x[r] @ w[int(e_of[r])].T, 1e-5)
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.IQ4_XS, GGMLType.Q8_0, GGMLType.Q6_K, GGMLType.IQ3_S])
-def test_gemm_kernel_modes(fast, qtype):
-    """Dense, gate+up (gathered by token, SwiGLU) and down (scaled, scattered)
-    against the reference, with float32 inputs (the interpreter's) or
-    bfloat16 (CUDA)."""
+def test_dequant_kernel(fast, qtype):
+    """Matrices at word offsets of two buffers (one below the other's address
+    or above it) decoded as the reference decodes them."""
     rng = np.random.default_rng(int(qtype))
-    n_exp, n_ff, n_embd, k, T, bm = 4, 32, 512, 2, 5, 16
-    gu = quantize(rng.standard_normal((n_exp * 2 * n_ff, n_embd)).astype(np.float32) * 0.1, qtype)
-    dn = quantize(rng.standard_normal((n_exp * n_embd, 256)).astype(np.float32) * 0.1, qtype)
-    rb_gu, rb_d = gu.shape[-1], dn.shape[-1]
-    eb_gu = 2 * n_ff * rb_gu
-    buf = torch.zeros(n_exp * eb_gu + dn.size + 64, dtype=torch.uint8)
-    buf[:gu.size] = torch.from_numpy(gu.reshape(-1))
-    d0 = (n_exp * eb_gu + 63) // 64 * 64
-    buf[d0:d0 + dn.size] = torch.from_numpy(dn.reshape(-1))
-    other = torch.from_numpy(gu.reshape(-1)[:eb_gu].copy())      # expert 0's gate/up also in a second buffer
-    space_h = engine_ops.WordSpace(buf, other)
-    buf_d, other_d = buf.to(DEVICE), other.to(DEVICE)
-    space_d = engine_ops.WordSpace(buf_d, other_d)
+    n_rows, n_in = 40, 512
+    a = quantize(rng.standard_normal((3 * n_rows, n_in)).astype(np.float32), qtype)
+    b = quantize(rng.standard_normal((n_rows, n_in)).astype(np.float32), qtype)
+    rb = a.shape[-1]
     w = engine_ops.WORDS[qtype].itemsize
-    ids = torch.tensor([[2, 0], [0, 3], [2, 3], [1, 2], [0, 2]], dtype=torch.int64)
-    wts = torch.rand(T * k)
-    rows, blk_e = pad_by_expert(ids, n_exp, bm)
-    x = torch.randn(T, n_embd) * 0.5
-    bf16 = None
-    tol = 2e-2 if CUDA else 1e-5
-
-    def base(space, e, part):
-        if part == "gu":
-            return (space.offset(other_d if space is space_d else other) if e == 0 else e * eb_gu) // w
-        return (d0 + e * n_embd * rb_d) // w
-
-    for side, (space, ops, dev) in enumerate(((space_h, engine_ops.REFERENCE, "cpu"), (space_d, fast, DEVICE))):
-        xs = x.to(dev)
-        blk = torch.tensor([base(space, int(e), "gu") if e >= 0 else 0 for e in blk_e], dtype=torch.int64,
-                           device=dev)
-        h = torch.zeros(rows.numel(), 256, device=dev)
-        ops.gemm(space, qtype, blk, rows.to(dev), xs, h, n_ff, rb_gu, "gate_up", up_words=n_ff * rb_gu // w,
-                 n_used=k, block_m=bm, bf16=bf16)
-        blk_d = torch.tensor([base(space, int(e), "d") if e >= 0 else 0 for e in blk_e], dtype=torch.int64,
-                             device=dev)
-        y = torch.full((T * k, n_embd), 7.0, device=dev)
-        ops.gemm(space, qtype, blk_d, rows.to(dev), h, y, n_embd, rb_d, "down", n_used=k, weights=wts.to(dev),
-                 block_m=bm, bf16=bf16)
-        nb = (T + bm - 1) // bm
-        yd = torch.zeros(T, 2 * n_ff, device=dev)
-        ops.gemm(space, qtype, torch.zeros(nb, dtype=torch.int64, device=dev), None, xs, yd, 2 * n_ff, rb_gu,
-                 "dense", block_m=bm, bf16=bf16)
-        if side == 0:
-            ref = (h.clone(), y.clone(), yd.clone())
-        else:
-            _close(h.cpu(), ref[0], tol)
-            _close(y.cpu(), ref[1], tol)
-            _close(yd.cpu(), ref[2], tol)
-    # the reference against a plain product per (token, expert)
+    ta = torch.from_numpy(a.reshape(-1).copy()).to(DEVICE)
+    tb = torch.from_numpy(b.reshape(-1).copy()).to(DEVICE)
+    space = engine_ops.WordSpace(ta, tb)
+    base = torch.tensor([2 * n_rows * rb // w, space.offset(tb) // w, 0], dtype=torch.int64, device=DEVICE)
+    out = torch.zeros(3, n_rows, n_in, device=DEVICE)
+    fast.dequant(space, qtype, base, n_rows, rb, out)
+    ref = torch.zeros(3, n_rows, n_in)
+    engine_ops.REFERENCE.dequant(space, qtype, base.cpu(),
+                                 n_rows, rb, ref)
+    assert torch.equal(out.cpu(), ref)
     from fle_engine.kernels.reference import dequantize_weights
 
-    G = dequantize_weights(torch.from_numpy(gu), qtype).view(n_exp, 2 * n_ff, n_embd)
-    D = dequantize_weights(torch.from_numpy(dn), qtype).view(n_exp, n_embd, 256)
-    for t in range(T):
-        for j in range(k):
-            e = int(ids[t, j])
-            g, u = x[t] @ G[e, :n_ff].T, x[t] @ G[e, n_ff:].T
-            hh = torch.nn.functional.silu(g) * u
-            place = rows.tolist().index(t * k + j)
-            _close(ref[0][place, :n_ff], hh, 1e-5)
-            _close(ref[1][t * k + j], (ref[0][place] @ D[e].T) * wts[t * k + j], 1e-5)
-    _close(ref[2], x @ G[0].T, 1e-5)
+    assert torch.equal(ref[1], dequantize_weights(torch.from_numpy(b), qtype))
+    assert torch.equal(ref[0], dequantize_weights(torch.from_numpy(a[2 * n_rows:]), qtype))
+    if CUDA:
+        half = torch.zeros(3, n_rows, n_in, dtype=torch.bfloat16, device=DEVICE)
+        fast.dequant(space, qtype, base, n_rows, rb, half)
+        assert torch.equal(half.cpu(), ref.to(torch.bfloat16))
 
 
 # ---------------------------------------------------------------------------

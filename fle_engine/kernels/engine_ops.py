@@ -42,11 +42,9 @@ Signatures (both sides; outputs written in place):
   a layer's misses (:mod:`fle_engine.runtime.split`); the reference computes
   it at once in the post, the fast side hands it to the worker thread
 - ``experts(..., cpu_share=s)`` skips the rows that the CPU computes
-- ``gemm(space, qtype, blk_base, rows, x, y, n_out, row_bytes, mode,
-  up_words=, n_used=, weights=, block_m=, bf16=)``: many rows at once
-  (prefill), for a dense matrix or a layer's experts sorted and padded by
-  expert (:mod:`.triton_gemm` says how the modes read and write rows);
-  matrices at word offsets of a :class:`WordSpace`
+- ``dequant(space, qtype, base, n_rows, row_bytes, out)``: the matrices
+  at word offsets ``base`` [G] of a :class:`WordSpace` decoded into ``out``
+  [G, n_rows, n_in] (bfloat16 or float32), for prefill's products
 """
 from __future__ import annotations
 
@@ -322,38 +320,12 @@ def gather_rows_ref(table: Tensor, qtype: GGMLType, host_delta: int, rows: Tenso
     out.copy_(vals.reshape(-1).to(out.device))
 
 
-def gemm_ref(space: WordSpace, qtype: GGMLType, blk_base: Tensor, rows: "Tensor | None", x: Tensor, y: Tensor,
-             n_out: int, row_bytes: int, mode: str, *, up_words: int = 0, n_used: int = 1,
-             weights: "Tensor | None" = None, block_m: int = 64, bf16=None) -> Tensor:
+def dequant_ref(space: WordSpace, qtype: GGMLType, base: Tensor, n_rows: int, row_bytes: int, out: Tensor) -> Tensor:
     word = WORDS[qtype].itemsize
-    bases = blk_base.reshape(-1).cpu().tolist()
-    xf = x.float()
-
-    def mat(base_words: int) -> Tensor:
-        return dequantize_weights(space.matrix(base_words * word, n_out, row_bytes), qtype).to(x.device)
-
-    if mode == "dense":
-        if bases:
-            w = mat(bases[0])
-            y[:x.shape[0], :n_out] = xf[:, :w.shape[1]] @ w.T
-        return y
-    flat = rows.reshape(-1).cpu()
-    for b, base in enumerate(bases):
-        if flat[b * block_m] < 0:                     # a block without rows
-            continue
-        places = torch.arange(b * block_m, (b + 1) * block_m)
-        f = flat[places]
-        keep = f >= 0
-        places, f = places[keep].to(x.device), f[keep].to(x.device)
-        if not len(f):
-            continue
-        w = mat(base)
-        if mode == "gate_up":
-            xs = xf[f // n_used, :w.shape[1]]
-            y[places, :n_out] = F.silu(xs @ w.T) * (xs @ mat(base + up_words).T)
-        else:
-            y[f, :n_out] = (xf[places, :w.shape[1]] @ w.T) * weights.reshape(-1)[f][:, None]
-    return y
+    for g, b in enumerate(base.reshape(-1).cpu().tolist()):
+        vals = dequantize_weights(space.matrix(b * word, n_rows, row_bytes), qtype)
+        out[g] = vals.to(device=out.device, dtype=out.dtype)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -367,20 +339,20 @@ def _fast():
                            qk_rope_kv=te.qk_rope_kv, attention=te.attention, embed_row=te.embed_row,
                            hc_write_norm=te.hc_write_norm, hc_mix=te.hc_mix, gather_rows=te.gather_rows,
                            gdn_step=te.gdn_step, post_misses=te.post_misses, wait_misses=te.wait_misses,
-                           gemm=_gemm_fast)
+                           dequant=_dequant_fast)
 
 
-def _gemm_fast(space: WordSpace, qtype: GGMLType, *args, **kw) -> Tensor:
-    from . import triton_gemm
+def _dequant_fast(space: WordSpace, qtype: GGMLType, *args, **kw) -> Tensor:
+    from . import triton_dequant
 
-    return triton_gemm.gemm(space.words(qtype), qtype, *args, **kw)
+    return triton_dequant.dequant(space.words(qtype), qtype, *args, **kw)
 
 
 REFERENCE = SimpleNamespace(experts=experts_ref, route_topk=route_topk_ref, add_rmsnorm=add_rmsnorm_ref,
                             qk_rope_kv=qk_rope_kv_ref, attention=attention_ref, embed_row=embed_row_ref,
                             hc_write_norm=hc_write_norm_ref, hc_mix=hc_mix_ref, gather_rows=gather_rows_ref,
                             gdn_step=gdn_step_ref, post_misses=post_misses_ref, wait_misses=wait_misses_ref,
-                            gemm=gemm_ref)
+                            dequant=dequant_ref)
 
 # name -> (reference, fast) ; the fast side is filled on first use (it imports triton)
 OPS: dict[str, tuple] = {name: (getattr(REFERENCE, name), None) for name in vars(REFERENCE)}

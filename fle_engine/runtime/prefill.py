@@ -5,17 +5,18 @@ into GPU staging memory while the layer before computes.
 Per micro-batch and layer:
 
 1. the mixer (attention) over the batch's tokens, through the
-   architecture's ``prefill_mixer`` (dense products by the GEMM kernel,
-   attention over the cache and the batch);
+   architecture's ``prefill_mixer`` (dense matrices decoded once, then one
+   product each; attention over the cache and the batch);
 2. the router and top-K for every token, the (token, expert) rows sorted
-   and padded by expert (:func:`pad_by_expert`, on the device, no host
+   by expert (:func:`sort_by_expert`, on the device, no host
    synchronisation);
-3. the routed experts by the GEMM kernel (:mod:`fle_engine.kernels.triton_gemm`):
-   an expert with a cache slot is read from it in place, every other one
-   from a staging buffer that the copy stream filled with all the layer's
-   uncached experts (at a micro-batch this large nearly every expert is
-   routed, so whole layers move, in one copy per run of consecutive
-   experts).
+3. the layer's experts decoded into bfloat16 (:mod:`fle_engine.kernels.triton_dequant`),
+   an expert with a cache slot from it in place, every other one from a
+   staging buffer that the copy stream filled with all the layer's uncached
+   experts (at a micro-batch this large nearly every expert is routed, so
+   whole layers move, in one copy per run of consecutive experts); then
+   gate+up, SwiGLU and down for all rows by torch's grouped GEMM (one launch
+   per product, tensor cores).
 
 Staging is a ring of ``depth`` (2) layer-sized buffers, so the copy of
 layer l + 1 overlaps the computation of layer l and a buffer is refilled
@@ -42,46 +43,49 @@ from torch import Tensor
 from ..kernels import engine_ops
 from .weights import FLOAT_TYPES, _align
 
-__all__ = ["pad_by_expert", "Prefill", "PrefillStats", "Staging", "dense_rows"]
+__all__ = ["sort_by_expert", "grouped_mm", "Prefill", "PrefillStats", "Staging", "dense_rows"]
 
 
-def pad_by_expert(ids: Tensor, n_expert: int, block_m: int) -> tuple[Tensor, Tensor]:
-    """The (token, expert) rows of ``ids`` [T, K] sorted by expert, each
-    expert's rows padded to a multiple of ``block_m``: (rows int64 [P], the
-    flat row ``t * K + j`` of each padded place or -1; the expert of each
-    block of ``block_m`` places, int64 [P / block_m], -1 past the last).
-    P is the bound ``T * K + n_expert * (block_m - 1)`` rounded up, so the
-    shapes depend on T only. Device operations only."""
+def sort_by_expert(ids: Tensor, n_expert: int) -> tuple[Tensor, Tensor]:
+    """The (token, expert) rows of ``ids`` [T, K] in expert order: (the flat
+    row ``t * K + j`` of each sorted place, int64 [T K]; the end of each
+    expert's run of places, int32 [E], as torch's grouped GEMM takes it).
+    Device operations only (the sort is stable: within an expert, token
+    order)."""
     flat = ids.reshape(-1)
-    dev = flat.device
-    r = flat.numel()
-    n_blk = (r + n_expert * (block_m - 1) + block_m - 1) // block_m
     order = torch.argsort(flat, stable=True)
-    cnt = torch.zeros(n_expert, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    pcnt = (cnt + block_m - 1) // block_m * block_m
-    pend = torch.cumsum(pcnt, 0)
-    start = torch.cumsum(cnt, 0) - cnt
-    e_sorted = flat[order]
-    place = (pend - pcnt)[e_sorted] + torch.arange(r, device=dev) - start[e_sorted]
-    rows = torch.full((n_blk * block_m,), -1, dtype=torch.int64, device=dev)
-    rows[place] = order
-    first = torch.arange(n_blk, device=dev) * block_m
-    blk = torch.searchsorted(pend, first, right=True)
-    blk_expert = torch.where(blk < n_expert, blk, torch.full_like(blk, -1))
-    return rows, blk_expert
+    cnt = torch.zeros(n_expert, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return order, torch.cumsum(cnt, 0).to(torch.int32)
 
 
-def dense_rows(m, x: Tensor, out: Tensor, ops, bf16: "bool | None" = None, block_m: int = 64) -> Tensor:
-    """``out`` [T, n_out] = x [T, n_in] @ W.T for a DenseMatrix ``m``, every
-    row at once (the GEMM kernel, ``bf16`` inputs or float32; a float matrix
-    by torch)."""
+def grouped_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
+    """Rows ``ends[g-1] .. ends[g]`` of ``x`` [R, K] times ``w[g]`` [N, K]
+    transposed -> [R, N]: torch's grouped GEMM (one launch; bfloat16 on
+    CUDA, any float type on the CPU), or one product per group for float32
+    on CUDA (checks)."""
+    if x.dtype == torch.bfloat16 or x.device.type == "cpu":
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+    out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for g, end in enumerate(ends.tolist()):
+        if end > start:
+            torch.matmul(x[start:end], w[g].T, out=out[start:end])
+        start = end
+    return out
+
+
+def dense_rows(m, x: Tensor, out: Tensor, ops, dtype=torch.float32) -> Tensor:
+    """``out`` [T, n_out] = x [T, n_in] @ W.T for a DenseMatrix ``m``: the
+    matrix decoded into ``dtype`` once, then one product (a float matrix
+    as it is)."""
     if m.qtype in FLOAT_TYPES:
         out.copy_(torch.matmul(x, m.data.T))
         return out
-    n_blk = (x.shape[0] + block_m - 1) // block_m
-    blk = torch.zeros(n_blk, dtype=torch.int64, device=x.device)
-    return ops.gemm(engine_ops.WordSpace(m.data), m.qtype, blk, None, x, out, m.n_out, m.data.shape[1], "dense",
-                    block_m=block_m, bf16=bf16)
+    w = torch.empty(1, m.n_out, m.n_in, dtype=dtype, device=x.device)
+    ops.dequant(engine_ops.WordSpace(m.data), m.qtype, torch.zeros(1, dtype=torch.int64, device=x.device), m.n_out,
+                m.data.shape[1], w)
+    out.copy_(torch.matmul(x.to(dtype), w[0].T))
+    return out
 
 
 @dataclass
@@ -91,6 +95,7 @@ class PrefillStats:
     ubatches: int = 0
     bytes_copied: int = 0
     copy_wait_seconds: float = 0.0        # the compute stream waiting for a layer's copy (CUDA only)
+    scratch_bytes: int = 0                # one layer's experts decoded for the products
     lent_layers: list = field(default_factory=list)
 
     def line(self) -> str:
@@ -193,10 +198,23 @@ class Prefill:
     next token in ``state.tok``, the last token's logits in
     ``state.bufs.logits`` and ``state.pos`` at ``pos0 + len(tokens)``."""
 
-    def __init__(self, engine, ubatch: int = 4096, block_m: int = 64, depth: int = 2, bf16: "bool | None" = None):
-        self.eng, self.ubatch, self.block_m, self.depth = engine, int(ubatch), int(block_m), int(depth)
-        # the GEMMs' inputs: bfloat16 on tensor cores (None: on CUDA), or float32 (checks, the interpreter)
+    def __init__(self, engine, ubatch: int = 4096, depth: int = 2, bf16: "bool | None" = None):
+        self.eng, self.ubatch, self.depth = engine, int(ubatch), int(depth)
+        # the products' inputs: bfloat16 on tensor cores (None: on CUDA), or float32 (checks, the CPU)
         self.bf16 = bf16
+        self._scratch: dict = {}
+
+    @property
+    def dtype(self):
+        bf = self.bf16 if self.bf16 is not None else self.eng.cuda
+        return torch.bfloat16 if bf else torch.float32
+
+    def scratch(self, key, shape) -> Tensor:
+        """A layer's decoded experts (kept for the run; one per shape)."""
+        t = self._scratch.get(key)
+        if t is None or t.shape != shape or t.dtype != self.dtype:
+            t = self._scratch[key] = torch.empty(shape, dtype=self.dtype, device=self.eng.device)
+        return t
         self.stats = PrefillStats()
 
     def run(self, tokens, pos0: int = 0) -> PrefillStats:
@@ -209,7 +227,7 @@ class Prefill:
         if cuda:
             main.wait_stream(cache.copy_stream)              # admissions in flight land before slots are lent
         stg = Staging(cache, self.depth)
-        st.prefill_bf16 = self.bf16
+        st.prefill_dtype = self.dtype
         stats.lent_layers = list(stg.lent_layers)
         copy = torch.cuda.Stream(dev) if cuda else None
         if cuda:
@@ -257,7 +275,7 @@ class Prefill:
                 x = net.prefill_embed(tok, ops)
                 xn = torch.empty_like(x)
                 ops.add_rmsnorm(x, None, net.layers[0].attn_norm, a.eps, xn)
-                buf = _Buffers(a, T, self.block_m, dev)
+                buf = _Buffers(a, T, dev)
                 for il in layers:
                     L = net.layers[il]
                     net.prefill_mixer(L, il, xn, buf.attn_out, pos, st, ops)
@@ -287,6 +305,8 @@ class Prefill:
             torch.argmax(b.logits, dim=-1, out=st.tok)
             st.pos.fill_(pos)
             stg.give_back()
+        stats.scratch_bytes = sum(t.numel() * t.element_size() for t in self._scratch.values())
+        self._scratch = {}
         if cuda:
             torch.cuda.synchronize(dev)
             # compute waiting for copies: from the point the layer could start to the copy's end
@@ -299,23 +319,25 @@ class Prefill:
 
     def _moe(self, m, il: int, j: int, xn: Tensor, buf: "_Buffers", stg: Staging, ops) -> None:
         a = self.eng.net.args
-        k, lay = a.n_expert_used, m.layout
+        k, lay, E = a.n_expert_used, m.layout, a.n_expert
         logits = torch.matmul(xn, m.router.T)
         probs = torch.softmax(logits, dim=-1)
         top, ids = torch.topk(probs, k, dim=-1)
         w = top / top.sum(-1, keepdim=True).clamp(min=6.103515625e-5)
         if a.expert_weights_scale not in (0.0, 1.0):
             w = w * a.expert_weights_scale
-        rows, blk_e = pad_by_expert(ids, a.n_expert, self.block_m)
-        e_idx = blk_e.clamp(min=0)                       # blocks past the last have no rows: any offset
-        gu_w = engine_ops.WORDS[lay.gu_type].itemsize
-        base_gu = stg.base_words(il, j, lay.gu_type, 0)[e_idx]
-        base_dn = stg.base_words(il, j, lay.down_type, lay.down_offset)[e_idx]
-        h = buf.h(rows.numel(), lay.n_ff)
-        ops.gemm(stg.space, lay.gu_type, base_gu, rows, xn, h, lay.n_ff, lay.gu_row_bytes, "gate_up",
-                 up_words=lay.n_ff * lay.gu_row_bytes // gu_w, n_used=k, block_m=self.block_m, bf16=self.bf16)
-        ops.gemm(stg.space, lay.down_type, base_dn, rows, h, buf.y, a.n_embd, lay.down_row_bytes, "down",
-                 n_used=k, weights=w.reshape(-1).contiguous(), block_m=self.block_m, bf16=self.bf16)
+        order, ends = sort_by_expert(ids, E)
+        dt = self.dtype
+        w_gu = self.scratch("gu", (E, 2 * lay.n_ff, a.n_embd))
+        ops.dequant(stg.space, lay.gu_type, stg.base_words(il, j, lay.gu_type, 0), 2 * lay.n_ff, lay.gu_row_bytes,
+                    w_gu)
+        w_dn = self.scratch("down", (E, a.n_embd, lay.n_ff))
+        ops.dequant(stg.space, lay.down_type, stg.base_words(il, j, lay.down_type, lay.down_offset), a.n_embd,
+                    lay.down_row_bytes, w_dn)
+        hgu = grouped_mm(xn[order // k].to(dt), w_gu, ends).float()
+        act = (torch.nn.functional.silu(hgu[:, :lay.n_ff]) * hgu[:, lay.n_ff:]).to(dt)
+        yd = grouped_mm(act, w_dn, ends).float()
+        buf.y[order] = yd * w.reshape(-1)[order][:, None]
         if m.shared is not None:
             self.eng.net.prefill_shared(m, xn, buf, ops)
 
@@ -323,14 +345,7 @@ class Prefill:
 class _Buffers:
     """One micro-batch's activations (allocated per micro-batch; freed after)."""
 
-    def __init__(self, a, T: int, block_m: int, dev):
-        self.T, self.a, self.dev = T, a, dev
-        k = a.n_expert_used
+    def __init__(self, a, T: int, dev):
+        self.T = T
         self.attn_out = torch.zeros(T, a.n_embd, dtype=torch.float32, device=dev)
-        self.y = torch.zeros(T * k, a.n_embd, dtype=torch.float32, device=dev)
-        self._h = None
-
-    def h(self, places: int, n_ff: int) -> Tensor:
-        if self._h is None or self._h.shape != (places, n_ff):
-            self._h = torch.zeros(places, n_ff, dtype=torch.float32, device=self.dev)
-        return self._h
+        self.y = torch.zeros(T * a.n_expert_used, a.n_embd, dtype=torch.float32, device=dev)

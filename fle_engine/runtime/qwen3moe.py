@@ -347,7 +347,7 @@ class Net:
         qkv = torch.empty(T, width, dtype=torch.float32, device=xn.device)
         off = 0
         for m in ([at.qkv] if at.qkv is not None else at.parts):
-            dense_rows(m, xn, qkv[:, off:off + m.n_out], ops, state.prefill_bf16)
+            dense_rows(m, xn, qkv[:, off:off + m.n_out], ops, state.prefill_dtype)
             off += m.n_out
         q = rms_norm(qkv[:, :nq].reshape(T, a.n_head, hd), at.q_norm, a.eps)
         k = rms_norm(qkv[:, nq:nq + nkv].reshape(T, a.n_head_kv, hd), at.k_norm, a.eps)
@@ -380,7 +380,7 @@ class Net:
         o = o[0].transpose(0, 1).reshape(T, nq).float()
         if at.gated:
             o = o * torch.sigmoid(qkv[:, nq + 2 * nkv:2 * nq + 2 * nkv])
-        dense_rows(at.wo, o.contiguous(), out, ops, state.prefill_bf16)
+        dense_rows(at.wo, o.contiguous(), out, ops, state.prefill_dtype)
 
     def prefill_parts(self, m: Moe, buf) -> Tensor:
         """The parts that the layer's MoE wrote for T tokens: [T, K, D]."""

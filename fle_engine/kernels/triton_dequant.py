@@ -1,0 +1,57 @@
+"""Weights in their GGUF block bytes decoded into bfloat16 (or float32)
+matrices on the GPU, for prefill: products of thousands of rows run on
+tensor cores through torch (cuBLAS, and torch's grouped GEMM for a layer's
+experts), on weights decoded once per micro-batch; the decode step's fused
+kernels (:mod:`.triton_engine`) read the blocks directly instead.
+
+A program decodes one 256-value chunk of ``BLOCK_N`` rows of one matrix
+with the decode step's decoders (:func:`~fle_engine.kernels.triton_quant._decode`,
+bit-exact against ggml's ``to_float``) and stores it in the chunk's value
+order. The matrices start at word offsets ``base[g]`` of one word buffer
+(a cache slot, or the staging buffer that prefill streams missed experts
+into; an offset may be negative).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
+
+from .triton_quant import _FORMATS, _decode, _lut, _value_index
+
+__all__ = ["dequant"]
+
+
+@triton.jit
+def _dequant_kernel(wv, lut_ptr, base_ptr, out_ptr, n_rows, n_in, n_blocks, row_words,
+                    QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr):
+    g = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    kc = tl.program_id(2)
+    base = tl.load(base_ptr + g)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_rows
+    row_w = base + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_words
+    w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)            # [BN, A, B, C]
+    k = kc * (A * B * C) + _value_index(QTYPE, A, B, C)
+    row = (g.to(tl.int64) * n_rows + tl.where(mask_n, offs_n, 0)).to(tl.int64)
+    dst = out_ptr + row[:, None, None, None] * n_in + k[None, :, :, :]
+    tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=mask_n[:, None, None, None] & (k < n_in)[None, :, :, :])
+
+
+def dequant(words: Tensor, qtype: GGMLType, base: Tensor, n_rows: int, row_bytes: int, out: Tensor,
+            block_n: int = 16) -> Tensor:
+    """``out`` [G, n_rows, n_in] (bfloat16 or float32) = the G matrices of
+    ``n_rows`` rows of ``row_bytes`` at word offsets ``base`` (int64 [G],
+    device) of ``words``, decoded."""
+    fmt = _FORMATS[qtype]
+    values, size = BLOCK_GEOMETRY[qtype]
+    n_blocks = row_bytes // size
+    a, b, c = fmt.tile
+    grid = (base.numel(), triton.cdiv(n_rows, block_n), triton.cdiv(n_blocks, fmt.blocks_per_chunk))
+    _dequant_kernel[grid](words, _lut(qtype, fmt, words), base, out, n_rows, n_blocks * values, n_blocks,
+                          row_bytes // words.element_size(), QTYPE=int(qtype), A=a, B=b, C=c, BLOCK_N=block_n,
+                          num_warps=4)
+    return out
