@@ -71,8 +71,8 @@ def main(argv=None) -> int:
         return (time.perf_counter() - t0) / n * 1e3
 
     for bn in (8, 16, 32):
-        ms = timed(lambda: (triton_dequant.dequant(words, qt, base_gu, 2 * F, gu1.shape[-1], w_gu, block_n=bn),
-                            triton_dequant.dequant(words, qt, base_dn, D, dn1.shape[-1], w_dn, block_n=bn)))
+        ms = timed(lambda: (triton_dequant.dequant(words, qt, base_gu, 2 * F, gu1.shape[-1], w_gu, tile_order=True, block_n=bn),
+                            triton_dequant.dequant(words, qt, base_dn, D, dn1.shape[-1], w_dn, tile_order=True, block_n=bn)))
         gbs = (w_gu.numel() + w_dn.numel()) * 2 / ms / 1e6
         print(f"  decode the layer to bfloat16, BLOCK_N {bn}: {ms:.2f} ms ({gbs:.0f} GB/s written)", flush=True)
     for T in (int(t) for t in args.tokens.split(",")):
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
             return grouped_mm(act, w_dn, ends)
         ms = timed(products)
         print(f"  T {T}: sort + grouped products {ms:.2f} ms ({flops / ms / 1e9:.0f} TFLOP/s); with the decode: "
-              f"{ms + timed(lambda: triton_dequant.dequant(words, qt, base_gu, 2 * F, gu1.shape[-1], w_gu)) + timed(lambda: triton_dequant.dequant(words, qt, base_dn, D, dn1.shape[-1], w_dn)):.2f} ms "
+              f"{ms + timed(lambda: triton_dequant.dequant(words, qt, base_gu, 2 * F, gu1.shape[-1], w_gu, tile_order=True)) + timed(lambda: triton_dequant.dequant(words, qt, base_dn, D, dn1.shape[-1], w_dn, tile_order=True)):.2f} ms "
               f"against the copy's {copy_ms:.2f} ms", flush=True)
     return 0
 

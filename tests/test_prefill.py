@@ -43,6 +43,33 @@ def fast():
     return engine_ops.pick("triton", DEVICE)
 
 
+try:
+    import triton
+    import triton.language as tl
+
+    from fle_engine.kernels.triton_quant import _value_index
+
+    @triton.jit
+    def _idx(out_ptr, QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+        a = tl.arange(0, A)[:, None, None]
+        b = tl.arange(0, B)[None, :, None]
+        c = tl.arange(0, C)[None, None, :]
+        tl.store(out_ptr + (a * B + b) * C + c, _value_index(QTYPE, A, B, C))
+except ImportError:     # the fast fixture skips these tests
+    _idx = None
+
+
+def test_chunk_order_is_the_decoders_value_index(fast):
+    """engine_ops.chunk_order (numpy) against triton_quant._value_index for
+    every fast type."""
+    from fle_engine.kernels.triton_quant import _FORMATS
+
+    for qt, fmt in _FORMATS.items():
+        out = torch.zeros(256, dtype=torch.int32, device=DEVICE)
+        _idx[(1,)](out, QTYPE=int(qt), A=fmt.tile[0], B=fmt.tile[1], C=fmt.tile[2])
+        assert out.cpu().tolist() == engine_ops.chunk_order(qt).tolist(), qt
+
+
 def test_sort_by_expert_and_grouped_mm():
     ids = torch.tensor([[3, 1], [1, 0], [3, 2], [1, 3]], dtype=torch.int64)
     order, ends = sort_by_expert(ids, n_expert=5)
@@ -55,7 +82,7 @@ def test_sort_by_expert_and_grouped_mm():
         _close(y[r], x[r] @ w[int(e_of[r])].T, 1e-5)
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.IQ4_XS, GGMLType.Q8_0, GGMLType.Q6_K, GGMLType.IQ3_S])
+@pytest.mark.parametrize("qtype", [GGMLType.IQ4_XS, GGMLType.Q8_0, GGMLType.Q6_K, GGMLType.IQ3_S, GGMLType.IQ4_NL])
 def test_dequant_kernel(fast, qtype):
     """Matrices at word offsets of two buffers (one below the other's address
     or above it) decoded as the reference decodes them."""
@@ -83,6 +110,15 @@ def test_dequant_kernel(fast, qtype):
         half = torch.zeros(3, n_rows, n_in, dtype=torch.bfloat16, device=DEVICE)
         fast.dequant(space, qtype, base, n_rows, rb, half)
         assert torch.equal(half.cpu(), ref.to(torch.bfloat16))
+    # tile order: the columns permuted within each chunk, as tile_columns says, on both sides
+    tiled = torch.zeros(3, n_rows, n_in, device=DEVICE)
+    fast.dequant(space, qtype, base, n_rows, rb, tiled, tile_order=True)
+    cols = engine_ops.tile_columns(qtype, n_in, "cpu")
+    assert sorted(cols.tolist()) == list(range(n_in))
+    assert torch.equal(tiled.cpu(), ref[:, :, cols])
+    ref_t = torch.zeros(3, n_rows, n_in)
+    engine_ops.REFERENCE.dequant(space, qtype, base.cpu(), n_rows, rb, ref_t, tile_order=True)
+    assert torch.equal(ref_t, tiled.cpu())
 
 
 # ---------------------------------------------------------------------------

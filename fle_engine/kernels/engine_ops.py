@@ -44,7 +44,9 @@ Signatures (both sides; outputs written in place):
 - ``experts(..., cpu_share=s)`` skips the rows that the CPU computes
 - ``dequant(space, qtype, base, n_rows, row_bytes, out)``: the matrices
   at word offsets ``base`` [G] of a :class:`WordSpace` decoded into ``out``
-  [G, n_rows, n_in] (bfloat16 or float32), for prefill's products
+  [G, n_rows, n_in] (bfloat16 or float32), for prefill's products;
+  ``tile_order=True``: each chunk's columns in the decoders' tile order
+  (:func:`tile_columns` gives the permutation of the other operand)
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ from fle_quant.ggml_types import GGMLType
 
 from .reference import dequantize_weights
 
-__all__ = ["OPS", "pick", "ExpertWords", "WordSpace", "WORDS", "Q8Cache", "q8_0_quantize", "kv_nbytes"]
+__all__ = ["OPS", "pick", "ExpertWords", "WordSpace", "tile_columns", "WORDS", "Q8Cache", "q8_0_quantize", "kv_nbytes"]
 
 
 class ExpertWords:
@@ -320,10 +322,52 @@ def gather_rows_ref(table: Tensor, qtype: GGMLType, host_delta: int, rows: Tenso
     out.copy_(vals.reshape(-1).to(out.device))
 
 
-def dequant_ref(space: WordSpace, qtype: GGMLType, base: Tensor, n_rows: int, row_bytes: int, out: Tensor) -> Tensor:
+def chunk_order(qtype: GGMLType) -> "np.ndarray":
+    """The value (0..255 within its 256-value chunk) at each place of the fast
+    decoders' tile [A, B, C] flattened: triton_quant's ``_value_index``
+    written out (tests hold the two equal)."""
+    import numpy as np
+
+    from .triton_quant import _FORMATS
+
+    A, B, C = _FORMATS[qtype].tile
+    a, b, c = np.meshgrid(np.arange(A), np.arange(B), np.arange(C), indexing="ij")
+    q = int(qtype)
+    if q == 8:
+        k = 32 * a + 2 * b + c
+    elif q in (12, 13):
+        k = 32 * a + 4 * b + c
+    elif q in (17, 18, 22, 21):
+        k = 8 * a + 4 * b + c
+    elif q == 42:
+        k = 64 * a + 8 * b + c
+    elif q == 14:
+        k = 128 * (a // 16) + 32 * c + 2 * (a % 16) + b
+    elif q == 20:
+        k = 32 * a + 16 * (c >> 1) + 2 * b + (c & 1)
+    else:
+        k = 32 * a + 16 * (c >> 2) + 4 * b + (c & 3)
+    return k.reshape(-1).astype(np.int64)
+
+
+def tile_columns(qtype: GGMLType, n_in: int, device) -> Tensor:
+    """int64 [n_in]: the input column that each column of a matrix decoded in
+    tile order holds (``n_in`` a multiple of 256): x[:, cols] @ W_tile.T
+    equals x @ W.T."""
+    import numpy as np
+
+    perm = chunk_order(qtype)
+    j = np.arange(n_in)
+    return torch.from_numpy(j // 256 * 256 + perm[j % 256]).to(device)
+
+
+def dequant_ref(space: WordSpace, qtype: GGMLType, base: Tensor, n_rows: int, row_bytes: int, out: Tensor,
+                tile_order: bool = False) -> Tensor:
     word = WORDS[qtype].itemsize
     for g, b in enumerate(base.reshape(-1).cpu().tolist()):
         vals = dequantize_weights(space.matrix(b * word, n_rows, row_bytes), qtype)
+        if tile_order:
+            vals = vals[:, tile_columns(qtype, vals.shape[1], vals.device)]
         out[g] = vals.to(device=out.device, dtype=out.dtype)
     return out
 

@@ -9,7 +9,9 @@ with the decode step's decoders (:func:`~fle_engine.kernels.triton_quant._decode
 bit-exact against ggml's ``to_float``) and stores it in the chunk's value
 order. The matrices start at word offsets ``base[g]`` of one word buffer
 (a cache slot, or the staging buffer that prefill streams missed experts
-into; an offset may be negative).
+into; an offset may be negative). In tile order the decoded tile is stored
+as it lies (contiguous, vectorised stores) and the product's other operand
+has its columns permuted instead (one gather of the activations).
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ __all__ = ["dequant"]
 
 @triton.jit
 def _dequant_kernel(wv, lut_ptr, base_ptr, out_ptr, n_rows, n_in, n_blocks, row_words,
-                    QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr):
+                    QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr,
+                    TILE_ORDER: tl.constexpr):
     g = tl.program_id(0)
     pid_n = tl.program_id(1)
     kc = tl.program_id(2)
@@ -37,15 +40,23 @@ def _dequant_kernel(wv, lut_ptr, base_ptr, out_ptr, n_rows, n_in, n_blocks, row_
     w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)            # [BN, A, B, C]
     k = kc * (A * B * C) + _value_index(QTYPE, A, B, C)
     row = (g.to(tl.int64) * n_rows + tl.where(mask_n, offs_n, 0)).to(tl.int64)
-    dst = out_ptr + row[:, None, None, None] * n_in + k[None, :, :, :]
+    if TILE_ORDER:      # the tile as it lies in registers: contiguous stores (the columns permuted in each chunk)
+        a = tl.arange(0, A)[:, None, None]
+        b = tl.arange(0, B)[None, :, None]
+        c = tl.arange(0, C)[None, None, :]
+        dst = out_ptr + row[:, None, None, None] * n_in + (kc * (A * B * C) + (a * B + b) * C + c)[None, :, :, :]
+    else:
+        dst = out_ptr + row[:, None, None, None] * n_in + k[None, :, :, :]
     tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=mask_n[:, None, None, None] & (k < n_in)[None, :, :, :])
 
 
 def dequant(words: Tensor, qtype: GGMLType, base: Tensor, n_rows: int, row_bytes: int, out: Tensor,
-            block_n: int = 16) -> Tensor:
+            tile_order: bool = False, block_n: int = 16) -> Tensor:
     """``out`` [G, n_rows, n_in] (bfloat16 or float32) = the G matrices of
     ``n_rows`` rows of ``row_bytes`` at word offsets ``base`` (int64 [G],
-    device) of ``words``, decoded."""
+    device) of ``words``, decoded; ``tile_order``: the columns of each
+    256-value chunk in the decoder's tile order
+    (:func:`fle_engine.kernels.engine_ops.tile_columns`), whole chunks only."""
     fmt = _FORMATS[qtype]
     values, size = BLOCK_GEOMETRY[qtype]
     n_blocks = row_bytes // size
@@ -53,5 +64,5 @@ def dequant(words: Tensor, qtype: GGMLType, base: Tensor, n_rows: int, row_bytes
     grid = (base.numel(), triton.cdiv(n_rows, block_n), triton.cdiv(n_blocks, fmt.blocks_per_chunk))
     _dequant_kernel[grid](words, _lut(qtype, fmt, words), base, out, n_rows, n_blocks * values, n_blocks,
                           row_bytes // words.element_size(), QTYPE=int(qtype), A=a, B=b, C=c, BLOCK_N=block_n,
-                          num_warps=4)
+                          TILE_ORDER=bool(tile_order), num_warps=4)
     return out

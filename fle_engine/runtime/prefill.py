@@ -74,6 +74,21 @@ def grouped_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     return out
 
 
+_COLUMNS: dict = {}
+
+
+def columns(qtype, n_in: int, device) -> "Tensor | None":
+    """The activation columns for a matrix decoded in tile order (whole
+    256-value chunks; None: natural order)."""
+    if n_in % 256:
+        return None
+    key = (int(qtype), n_in, str(device))
+    c = _COLUMNS.get(key)
+    if c is None:
+        c = _COLUMNS[key] = engine_ops.tile_columns(qtype, n_in, device)
+    return c
+
+
 def dense_rows(m, x: Tensor, out: Tensor, ops, dtype=torch.float32) -> Tensor:
     """``out`` [T, n_out] = x [T, n_in] @ W.T for a DenseMatrix ``m``: the
     matrix decoded into ``dtype`` once, then one product (a float matrix
@@ -82,9 +97,11 @@ def dense_rows(m, x: Tensor, out: Tensor, ops, dtype=torch.float32) -> Tensor:
         out.copy_(torch.matmul(x, m.data.T))
         return out
     w = torch.empty(1, m.n_out, m.n_in, dtype=dtype, device=x.device)
+    cols = columns(m.qtype, m.n_in, x.device)
     ops.dequant(engine_ops.WordSpace(m.data), m.qtype, torch.zeros(1, dtype=torch.int64, device=x.device), m.n_out,
-                m.data.shape[1], w)
-    out.copy_(torch.matmul(x.to(dtype), w[0].T))
+                m.data.shape[1], w, tile_order=cols is not None)
+    xs = x if cols is None else x[:, cols]
+    out.copy_(torch.matmul(xs.to(dtype), w[0].T))
     return out
 
 
@@ -328,15 +345,18 @@ class Prefill:
             w = w * a.expert_weights_scale
         order, ends = sort_by_expert(ids, E)
         dt = self.dtype
+        dev = xn.device
+        c_gu, c_dn = columns(lay.gu_type, a.n_embd, dev), columns(lay.down_type, lay.n_ff, dev)
         w_gu = self.scratch("gu", (E, 2 * lay.n_ff, a.n_embd))
         ops.dequant(stg.space, lay.gu_type, stg.base_words(il, j, lay.gu_type, 0), 2 * lay.n_ff, lay.gu_row_bytes,
-                    w_gu)
+                    w_gu, tile_order=c_gu is not None)
         w_dn = self.scratch("down", (E, a.n_embd, lay.n_ff))
         ops.dequant(stg.space, lay.down_type, stg.base_words(il, j, lay.down_type, lay.down_offset), a.n_embd,
-                    lay.down_row_bytes, w_dn)
-        hgu = grouped_mm(xn[order // k].to(dt), w_gu, ends).float()
+                    lay.down_row_bytes, w_dn, tile_order=c_dn is not None)
+        xs = (xn if c_gu is None else xn[:, c_gu]).to(dt)
+        hgu = grouped_mm(xs[order // k], w_gu, ends).float()
         act = (torch.nn.functional.silu(hgu[:, :lay.n_ff]) * hgu[:, lay.n_ff:]).to(dt)
-        yd = grouped_mm(act, w_dn, ends).float()
+        yd = grouped_mm(act if c_dn is None else act[:, c_dn], w_dn, ends).float()
         buf.y[order] = yd * w.reshape(-1)[order][:, None]
         if m.shared is not None:
             self.eng.net.prefill_shared(m, xn, buf, ops)
