@@ -234,3 +234,11 @@ def test_prefill_bf16_close_to_float32(model_file):
     bf = eng.state.bufs.logits[0].cpu().clone()
     eng.close()
     assert _logits_kld(f32, bf) < 1e-3
+
+
+def test_iq4_words_are_the_code_book():
+    from fle_engine.kernels.triton_quant import IQ4_WORDS
+    from fle_quant.quants import tables
+
+    vals = [(((w & 0xFFFFFFFF) >> (8 * j)) & 0xFF) for w in IQ4_WORDS for j in range(4)]
+    assert [v - 256 if v >= 128 else v for v in vals] == [int(v) for v in tables.KVALUES_IQ4NL]

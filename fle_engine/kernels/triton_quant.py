@@ -82,6 +82,20 @@ def _decode_q8_0(wv, row_w, kc, n_blocks, A: tl.constexpr, B: tl.constexpr, C: t
     return tl.where(in_row[None, :, None, None], w, 0.0)
 
 
+# the IQ4 code book (tables.KVALUES_IQ4NL) as int8 bytes, four per int32: value i is byte i % 4 of word i // 4.
+# Selecting the word and shifting is a few ALU operations per value where a load from a lookup table is a
+# gather from memory per value (tests hold these words to the table).
+IQ4_WORDS = (-1079142271, -152379953, 639175937, 1901675829)
+
+
+@triton.jit
+def _iq4_value(nib):
+    """The IQ4 code book's value for 4-bit indices ``nib`` (int32), as float32."""
+    hi = nib >> 2
+    w = tl.where(hi >= 2, tl.where(hi == 3, 1901675829, 639175937), tl.where(hi == 1, -152379953, -1079142271))
+    return ((w << ((3 - (nib & 3)) * 8)) >> 24).to(tl.float32)       # byte nib % 4, sign-extended
+
+
 @triton.jit
 def _decode_iq4_nl(wv, lut_ptr, row_w, kc, n_blocks, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
     # block, 9 halfwords: d f16 | qs[16]; value j = kvalues[qs[j] & 15], 16 + j = kvalues[qs[j] >> 4].
@@ -95,7 +109,7 @@ def _decode_iq4_nl(wv, lut_ptr, row_w, kc, n_blocks, A: tl.constexpr, B: tl.cons
     d = _half(tl.load(wv + bw).to(tl.int32))
     q = _u16(tl.load(wv + bw[:, :, None] + 1 + b[None, None, :]))  # [BN, A, B]
     nib = (q[:, :, :, None] >> (8 * (c & 1) + 4 * (c >> 1))[None, None, None, :]) & 0xF
-    w = d[:, :, None, None] * tl.load(lut_ptr + nib)
+    w = d[:, :, None, None] * _iq4_value(nib)
     return tl.where(in_row[None, :, None, None], w, 0.0)
 
 
@@ -116,7 +130,7 @@ def _decode_iq4_xs(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: 
     dl = d[:, None] * (ls - 32).to(tl.float32)  # [BN, A]
     q = tl.load(wv + bw[:, None, None] + 2 + (4 * a)[None, :, None] + b[None, None, :])  # [BN, A, B]
     nib = (q[:, :, :, None] >> (8 * (c & 3) + 4 * (c >> 2))[None, None, None, :]) & 0xF
-    return dl[:, :, None, None] * tl.load(lut_ptr + nib)
+    return dl[:, :, None, None] * _iq4_value(nib)
 
 
 @triton.jit
