@@ -313,3 +313,25 @@ def test_verify_graphs_captured_and_equal_to_eager(model_file):
         eng.verify_step([1, 2])
     eng.close()
     eager.close()
+
+
+def test_bench_script_smoke(model_file, tmp_path):
+    """bench/verify_step.py on the factory model with the reference side
+    (the times mean nothing here): one row per n = 0..3, the modelled rate
+    from E(n) = 1 + a1 + a1 a2 + ..."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_verify", Path(__file__).parents[1] / "bench" / "verify_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.expected_tokens((0.86, 0.78, 0.78), 2) == pytest.approx(1 + 0.86 + 0.86 * 0.78)
+    out = tmp_path / "r.json"
+    assert bench.main(["--model", str(model_file), "--device", "cpu", "--warmup", "4", "--reps", "1",
+                       "--draft-ms", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert r["pcie_bytes_union"] <= r["pcie_bytes_sum"]
+        assert r["modelled_tok_s"] == pytest.approx(r["expected_tokens"] / (r["seconds"] + r["drafts"] * 1e-3))

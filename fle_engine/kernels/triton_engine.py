@@ -218,16 +218,17 @@ def _expert_union_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_pt
         rank = tl.cumsum(same.to(tl.int32), axis=0) - 1
         pick = same[None, :] & (rank[None, :] == t_idx[:, None])              # [TP, RP]
         rows = tl.sum(tl.where(pick, idx[None, :], 0), axis=1)               # [TP]
-        valid = t_idx < tl.sum(same.to(tl.int32), axis=0)
+        cnt = tl.sum(same.to(tl.int32), axis=0)          # <= TP: a token routes to an expert at most once
+        valid = t_idx < cnt
         if GATE_UP:
             x_rows = rows // n_used
         else:
             x_rows = rows
-        g = _expert_rows_union(wv, lut_ptr, row_w, x_ptr, x_rows, valid, stride_x, n_in, n_blocks, QTYPE, A, B, C,
+        g = _expert_rows_union(wv, lut_ptr, row_w, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE, A, B, C,
                                N_CHUNKS, BLOCK_N, TP)
         if GATE_UP:
             row_u = row_w + n_out.to(tl.int64) * row_words      # the up rows follow the gate rows
-            u = _expert_rows_union(wv, lut_ptr, row_u, x_ptr, x_rows, valid, stride_x, n_in, n_blocks, QTYPE, A,
+            u = _expert_rows_union(wv, lut_ptr, row_u, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE, A,
                                    B, C, N_CHUNKS, BLOCK_N, TP)
             out = g / (1.0 + tl.exp(-g)) * u
         else:
@@ -237,12 +238,12 @@ def _expert_union_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_pt
 
 
 @triton.jit
-def _expert_rows_union(wv, lut_ptr, row_w, x_ptr, x_rows, valid, stride_x, n_in, n_blocks, QTYPE: tl.constexpr,
+def _expert_rows_union(wv, lut_ptr, row_w, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE: tl.constexpr,
                        A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, N_CHUNKS: tl.constexpr,
                        BLOCK_N: tl.constexpr, TP: tl.constexpr):
     """[TP, BLOCK_N] products of the rows at word offsets ``row_w`` with the
-    activation rows ``x_rows`` [TP] (those not ``valid`` are zeros): each
-    chunk of weights decoded once, multiplied by every activation row."""
+    first ``cnt`` activation rows of ``x_rows`` [TP] (the other slots are
+    zeros): each chunk of weights decoded once, multiplied by every row."""
     k_in = _value_index(QTYPE, A, B, C)
     t_idx = tl.arange(0, TP)
     acc = tl.zeros([TP, BLOCK_N], dtype=tl.float32)
@@ -250,12 +251,12 @@ def _expert_rows_union(wv, lut_ptr, row_w, x_ptr, x_rows, valid, stride_x, n_in,
         w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
         k = kc * (A * B * C) + k_in
         for t in tl.static_range(TP):
-            sel = t_idx == t
-            xr = tl.sum(tl.where(sel, x_rows, 0), axis=0).to(tl.int64)
-            n_t = tl.sum(tl.where(sel & valid, n_in, 0), axis=0)          # 0 for a slot with no row
-            xt = tl.load(x_ptr + xr * stride_x + k, mask=k < n_t, other=0.0)
-            yt = tl.sum(tl.sum(tl.sum(w * xt[None, :, :, :], axis=3), axis=2), axis=1)        # [BLOCK_N]
-            acc += tl.where(sel[:, None], yt[None, :], 0.0)
+            if t < cnt:
+                sel = t_idx == t
+                xr = tl.sum(tl.where(sel, x_rows, 0), axis=0).to(tl.int64)
+                xt = tl.load(x_ptr + xr * stride_x + k, mask=k < n_in, other=0.0)
+                yt = tl.sum(tl.sum(tl.sum(w * xt[None, :, :, :], axis=3), axis=2), axis=1)        # [BLOCK_N]
+                acc += tl.where(sel[:, None], yt[None, :], 0.0)
     return acc
 
 
