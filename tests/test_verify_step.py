@@ -265,7 +265,8 @@ def test_attention_of_t_tokens_is_causal(fast):
 
     n_head, n_kv, dh, n_pos = 4, 2, 64, 16
     gen = torch.Generator().manual_seed(4)
-    kc, vc = torch.randn(n_kv, n_pos, dh, generator=gen).to(DEVICE), torch.randn(n_kv, n_pos, dh, generator=gen).to(DEVICE)
+    kc = torch.randn(n_kv, n_pos, dh, generator=gen).to(DEVICE)
+    vc = torch.randn(n_kv, n_pos, dh, generator=gen).to(DEVICE)
     q = torch.randn(2, n_head * dh, generator=gen).to(DEVICE)
     partial, ml = attn_scratch(n_kv, n_head, dh, DEVICE, n_tok=2)
     outs = []
@@ -323,7 +324,8 @@ def test_bench_script_smoke(model_file, tmp_path):
     import json
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("bench_verify", Path(__file__).parents[1] / "bench" / "verify_step.py")
+    path = Path(__file__).parents[1] / "bench" / "verify_step.py"
+    spec = importlib.util.spec_from_file_location("bench_verify", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.expected_tokens((0.86, 0.78, 0.78), 2) == pytest.approx(1 + 0.86 + 0.86 * 0.78)

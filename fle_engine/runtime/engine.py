@@ -552,8 +552,7 @@ class Engine:
     # verify steps: T = 1 + n tokens in one pass ------------------------------------
     def _multi_ready(self) -> None:
         """Refuse nets without a T-token step; allocate its buffers once."""
-        why = self.net.multi_unsupported() if hasattr(self.net, "multi_unsupported") else \
-            f"{self.args.arch}: no step of several tokens"
+        why = self.net.multi_unsupported()
         if why:
             raise FleError(why)
         if self.launched != self.consumed:
@@ -634,7 +633,8 @@ class Engine:
         st.toks[:n].copy_(self._multi_tok_in[:n], non_blocking=True)
         self._run_multi(n)
         m = st.multi
-        for dst, src in ((self._multi_tok_out[:n], st.next_toks[:n]), (self._multi_ids[:, :n * k], m.ids_log[:, :n * k]),
+        for dst, src in ((self._multi_tok_out[:n], st.next_toks[:n]),
+                         (self._multi_ids[:, :n * k], m.ids_log[:, :n * k]),
                          (self._multi_hits[:, :n * k], m.hit_log[:, :n * k])):
             dst.copy_(src, non_blocking=self.cuda)
         if self.cuda:
@@ -654,7 +654,7 @@ class Engine:
         the verify step and its restore here, which is not done yet: they
         are refused."""
         n = int(n)
-        why = self.net.multi_unsupported() if hasattr(self.net, "multi_unsupported") else self.args.arch
+        why = self.net.multi_unsupported()
         if why:
             raise FleError(f"rewind: {why}")
         if not 0 <= n <= self.launched:
