@@ -140,6 +140,23 @@ def test_step_cost_counts_each_missed_expert_once(model_file):
     eng.close()
 
 
+def test_fast_verify_step_equals_reference(tmp_path):
+    """The whole T-token step with the fast kernels (Triton's interpreter
+    without CUDA: one layer and one step, to keep it short; the kernel
+    tests below cover later positions) against the reference ops, no
+    expert cached."""
+    pytest.importorskip("triton")
+    path = make_model(tmp_path / "one.gguf", "qwen3moe", seed=3, mix="release", routing_skew=1.0, block_count=1)
+    res = []
+    for impl in ("reference", "triton"):
+        eng = _engine(path, impl=impl)
+        toks = eng.verify_step([27, 5, 11])
+        res.append((toks, eng.state.multi.logits[:3].float().cpu().clone()))
+        eng.close()
+    assert res[0][0] == res[1][0]
+    _close(res[1][1], res[0][1])
+
+
 # ---------------------------------------------------------------------------
 # the T-token kernels against their references (Triton's interpreter without CUDA)
 
