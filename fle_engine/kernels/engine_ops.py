@@ -19,6 +19,14 @@ Signatures (both sides; outputs written in place):
 - ``qk_rope_kv(qkv, q_norm, k_norm, eps, cos, sin, pos, n_head, n_kv,
   head_dim, n_rot, q_out, k_cache, v_cache)``
 - ``attention(q, k_cache, v_cache, pos, scale, out, partial, ml)``
+- ``experts_union(...)``: ``experts`` for the T x n_used rows of a
+  T-token step with each distinct expert read once; ``reads`` (int32 [R],
+  optional) marks the rows whose program read the expert (the first row
+  of each expert)
+- ``qk_rope_kv_multi(...)``, ``attention_multi(q, k_cache, v_cache, pos,
+  scale, out, partial, ml)``: T tokens at positions pos .. pos + T - 1
+  (``qkv`` [T, W], ``q``/``out`` [T, H Dh]); token t attends to positions
+  0 .. pos + t. The references are T calls of the one-token references
 - ``embed_row(table, qtype, tok, out)``
 - ``attention(..., keep, ratio)``: only the positions p whose block
   ``keep[p // ratio]`` is set count (sparse attention)
@@ -188,6 +196,18 @@ def experts_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part_words
     return out
 
 
+def experts_union_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
+                      n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
+                      gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
+                      reads: "Tensor | None" = None) -> Tensor:
+    experts_ref(store, qtype, host_delta, part_words, expert_words, n_out, row_bytes, slot_of, ids, x, out, gate_up,
+                n_used, weights, mode)
+    if reads is not None:
+        ids_h = ids.view(-1).cpu().tolist()
+        reads.copy_(torch.tensor([int(e not in ids_h[:r]) for r, e in enumerate(ids_h)], dtype=reads.dtype))
+    return out
+
+
 def _cpu_share_of(split, ids: Tensor, slot_of: Tensor):
     from ..runtime.split import cpu_count
 
@@ -254,6 +274,21 @@ def qk_rope_kv_ref(qkv: Tensor, q_norm, k_norm, eps: float, cos: Tensor, sin: Te
             cache.store(p, x)
         else:
             cache[:, p] = x.to(cache.dtype)
+
+
+def qk_rope_kv_multi_ref(qkv: Tensor, q_norm, k_norm, eps: float, cos: Tensor, sin: Tensor, pos: Tensor,
+                         n_head: int, n_kv: int, head_dim: int, n_rot: int, q_out: Tensor, k_cache: Tensor,
+                         v_cache: Tensor) -> None:
+    width = (n_head + 2 * n_kv) * head_dim
+    for t in range(qkv.shape[0]):
+        qk_rope_kv_ref(qkv[t, :width], q_norm, k_norm, eps, cos, sin, pos + t, n_head, n_kv, head_dim, n_rot, q_out[t],
+                       k_cache, v_cache)
+
+
+def attention_multi_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
+                        partial=None, ml=None) -> None:
+    for t in range(q.shape[0]):
+        attention_ref(q[t], k_cache, v_cache, pos + t, scale, out[t])
 
 
 def attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
@@ -383,7 +418,8 @@ def _fast():
                            qk_rope_kv=te.qk_rope_kv, attention=te.attention, embed_row=te.embed_row,
                            hc_write_norm=te.hc_write_norm, hc_mix=te.hc_mix, gather_rows=te.gather_rows,
                            gdn_step=te.gdn_step, post_misses=te.post_misses, wait_misses=te.wait_misses,
-                           dequant=_dequant_fast)
+                           experts_union=te.experts_union, qk_rope_kv_multi=te.qk_rope_kv_multi,
+                           attention_multi=te.attention_multi, dequant=_dequant_fast)
 
 
 def _dequant_fast(space: WordSpace, qtype: GGMLType, *args, **kw) -> Tensor:
@@ -396,7 +432,8 @@ REFERENCE = SimpleNamespace(experts=experts_ref, route_topk=route_topk_ref, add_
                             qk_rope_kv=qk_rope_kv_ref, attention=attention_ref, embed_row=embed_row_ref,
                             hc_write_norm=hc_write_norm_ref, hc_mix=hc_mix_ref, gather_rows=gather_rows_ref,
                             gdn_step=gdn_step_ref, post_misses=post_misses_ref, wait_misses=wait_misses_ref,
-                            dequant=dequant_ref)
+                            experts_union=experts_union_ref, qk_rope_kv_multi=qk_rope_kv_multi_ref,
+                            attention_multi=attention_multi_ref, dequant=dequant_ref)
 
 # name -> (reference, fast) ; the fast side is filled on first use (it imports triton)
 OPS: dict[str, tuple] = {name: (getattr(REFERENCE, name), None) for name in vars(REFERENCE)}

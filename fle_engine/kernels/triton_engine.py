@@ -14,18 +14,22 @@ synchronisation and replays as a CUDA graph.
   expert are one block of rows (gate first), multiplied and combined as
   ``silu(gate x) * up x`` in one kernel; the down matrix is multiplied and
   scaled by the routing weight in a second.
+- :func:`experts_union`: the same for the T tokens of a verify step, each
+  distinct expert of the step read once for all the tokens routed to it.
 - :func:`route_topk`: softmax over the router logits, top-K, renormalised
   weights; also logs the chosen ids and whether each was a cache hit (the
   map as this step read it) for the cache policy on the host.
 - :func:`add_rmsnorm`: the residual add of one or more parts and the next
   RMSNorm in one kernel.
 - :func:`qk_rope_kv`: per-head RMSNorm of q and k, NEOX rotary at the
-  position read from the device, k and v written into the KV cache.
+  position read from the device, k and v written into the KV cache;
+  :func:`qk_rope_kv_multi` for T tokens at positions pos .. pos + T - 1.
 - :func:`attention`: decode attention over the used length only (read
   from the device): a fixed number of splits per KV head, each looping over
   its share of the positions, then one reduction; the cost follows the
   length, not the allocated context; with a block mask (QSA) only the
-  kept blocks' positions count.
+  kept blocks' positions count. :func:`attention_multi`: T tokens, token t
+  seeing positions 0 .. pos + t (causal).
 - :func:`hc_write_norm`, :func:`hc_mix`: the hyper-connection arithmetic
   (write with its sigmoid weights plus the next per-stream norm; the
   gated mean of the streams).
@@ -49,8 +53,9 @@ from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 
 from .triton_quant import _FORMATS, _decode, _lut, _value_index
 
-__all__ = ["experts", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv", "attention",
-           "embed_row", "hc_write_norm", "hc_mix", "gather_rows", "gdn_step", "ATTN_SPLITS"]
+__all__ = ["experts", "experts_union", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv",
+           "qk_rope_kv_multi", "attention", "attention_multi", "embed_row", "hc_write_norm", "hc_mix", "gather_rows",
+           "gdn_step", "ATTN_SPLITS"]
 
 ATTN_SPLITS = 32
 
@@ -178,6 +183,110 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
         BLOCK_N=block_n, GATE_UP=gate_up, UNROLL=bool(unroll), SPLIT=cpu_share > 0,
         KP=triton.next_power_of_2(n_used), num_warps=warps)
+    return out
+
+
+@triton.jit
+def _expert_union_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr, reads_ptr,
+                         host_delta, part_words, n_out, n_in, n_blocks, row_words, expert_words, n_used, n_rows,
+                         stride_x, stride_y,
+                         QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
+                         N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr, RP: tl.constexpr,
+                         TP: tl.constexpr, LOG_READS: tl.constexpr):
+    # Program (pid_n, r): if row r is the first row of its expert among the n_rows rows of the step, output
+    # rows [pid_n * BLOCK_N, +BLOCK_N) of every row (at most TP) routed to that expert, each chunk of the
+    # weights decoded once for all of them; otherwise nothing. Each distinct expert is read once.
+    pid_n = tl.program_id(0)
+    r = tl.program_id(1)
+    e = tl.load(ids_ptr + r)
+    idx = tl.arange(0, RP)
+    in_rows = idx < n_rows
+    same = (tl.load(ids_ptr + idx, mask=in_rows, other=-1) == e) & in_rows
+    owner = tl.sum((same & (idx < r)).to(tl.int32), axis=0) == 0
+    if LOG_READS:
+        if pid_n == 0:
+            tl.store(reads_ptr + r, owner.to(tl.int32))
+    if owner:
+        s = tl.load(slot_of_ptr + e).to(tl.int64)
+        # a cached expert is read from its slot, a missed one from host memory (host_delta words away)
+        base = tl.where(s >= 0, s * expert_words, host_delta + e.to(tl.int64) * expert_words) + part_words
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_out
+        row_w = base + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_words
+        # the rows of this expert, in order: slot j of [TP] holds the j-th of them
+        t_idx = tl.arange(0, TP)
+        rank = tl.cumsum(same.to(tl.int32), axis=0) - 1
+        pick = same[None, :] & (rank[None, :] == t_idx[:, None])              # [TP, RP]
+        rows = tl.sum(tl.where(pick, idx[None, :], 0), axis=1)               # [TP]
+        cnt = tl.sum(same.to(tl.int32), axis=0)          # <= TP: a token routes to an expert at most once
+        valid = t_idx < cnt
+        if GATE_UP:
+            x_rows = rows // n_used
+        else:
+            x_rows = rows
+        g = _expert_rows_union(wv, lut_ptr, row_w, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE, A, B, C,
+                               N_CHUNKS, BLOCK_N, TP)
+        if GATE_UP:
+            row_u = row_w + n_out.to(tl.int64) * row_words      # the up rows follow the gate rows
+            u = _expert_rows_union(wv, lut_ptr, row_u, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE, A,
+                                   B, C, N_CHUNKS, BLOCK_N, TP)
+            out = g / (1.0 + tl.exp(-g)) * u
+        else:
+            out = g * tl.load(wts_ptr + rows, mask=valid, other=0.0)[:, None]
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :], out,
+                 mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _expert_rows_union(wv, lut_ptr, row_w, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE: tl.constexpr,
+                       A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, N_CHUNKS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, TP: tl.constexpr):
+    """[TP, BLOCK_N] products of the rows at word offsets ``row_w`` with the
+    first ``cnt`` activation rows of ``x_rows`` [TP] (the other slots are
+    zeros): each chunk of weights decoded once, multiplied by every row."""
+    k_in = _value_index(QTYPE, A, B, C)
+    t_idx = tl.arange(0, TP)
+    acc = tl.zeros([TP, BLOCK_N], dtype=tl.float32)
+    for kc in range(0, N_CHUNKS):
+        w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
+        k = kc * (A * B * C) + k_in
+        for t in tl.static_range(TP):
+            if t < cnt:
+                sel = t_idx == t
+                xr = tl.sum(tl.where(sel, x_rows, 0), axis=0).to(tl.int64)
+                xt = tl.load(x_ptr + xr * stride_x + k, mask=k < n_in, other=0.0)
+                yt = tl.sum(tl.sum(tl.sum(w * xt[None, :, :, :], axis=3), axis=2), axis=1)        # [BLOCK_N]
+                acc += tl.where(sel[:, None], yt[None, :], 0.0)
+    return acc
+
+
+def experts_union(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
+                  n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
+                  gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
+                  reads: "Tensor | None" = None) -> Tensor:
+    """:func:`experts` for the R = T x n_used rows of a T-token step, each
+    distinct expert read once (from its slot or from host memory) for all
+    the rows routed to it: the program of the first row of an expert
+    computes every row of that expert, the others do nothing. ``reads``
+    (int32 [R], optional): 1 where a row's program read its expert, else 0
+    (their sum is the number of distinct experts read). The CPU's share of
+    the misses (runtime.split) does not apply: every row is computed here."""
+    fmt = _FORMATS[qtype]
+    values, size = BLOCK_GEOMETRY[qtype]
+    n_blocks = row_bytes // size
+    word = words.element_size()
+    a, b, c = fmt.tile
+    block_n, warps, _ = _expert_config(gate_up, mode)
+    n_rows = ids.shape[0]
+    grid = (triton.cdiv(n_out, block_n), n_rows)
+    _expert_union_kernel[grid](
+        words, _lut(qtype, fmt, words), slot_of, ids, out if weights is None else weights, x, out,
+        ids if reads is None else reads,
+        host_delta, part_words, n_out, n_blocks * values, n_blocks, row_bytes // word, expert_words, n_used, n_rows,
+        x.stride(0), out.stride(0),
+        QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
+        BLOCK_N=block_n, GATE_UP=gate_up, RP=triton.next_power_of_2(n_rows),
+        TP=triton.next_power_of_2(max(1, n_rows // n_used)), LOG_READS=reads is not None, num_warps=warps)
     return out
 
 
@@ -369,10 +478,13 @@ def _store_q8(q_ptr, d_ptr, row, y, DH: tl.constexpr):
 
 @triton.jit
 def _qk_rope_kv_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache, v_cache, kd_ptr, vd_ptr,
-                       n_head, n_kv, n_pos, eps, DH: tl.constexpr, NROT: tl.constexpr,
+                       n_head, n_kv, n_pos, eps, stride_qkv, stride_q, DH: tl.constexpr, NROT: tl.constexpr,
                        HAS_NORM: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr):
     pid = tl.program_id(0)
-    pos = tl.load(pos_ptr).to(tl.int64)
+    t = tl.program_id(1)                     # token t of the step sits at position pos + t
+    pos = tl.load(pos_ptr).to(tl.int64) + t
+    qkv_ptr += t.to(tl.int64) * stride_qkv
+    q_ptr += t.to(tl.int64) * stride_q
     d = tl.arange(0, DH)
     half: tl.constexpr = NROT // 2
     if pid < n_head + n_kv:
@@ -414,12 +526,28 @@ def qk_rope_kv(qkv: Tensor, q_norm: "Tensor | None", k_norm: "Tensor | None", ep
     """One decode token: ``qkv`` float32 [(H + 2 Hkv) Dh] -> ``q_out`` [H Dh]
     normed and rotated; k (normed, rotated) and v written at ``pos`` into
     ``k_cache``/``v_cache`` [Hkv, P, Dh]."""
+    _qk_rope_kv_launch(qkv, q_norm, k_norm, eps, cos, sin, pos, n_head, n_kv, head_dim, n_rot, q_out, k_cache,
+                       v_cache, 1, 0, 0)
+
+
+def qk_rope_kv_multi(qkv: Tensor, q_norm: "Tensor | None", k_norm: "Tensor | None", eps: float, cos: Tensor,
+                     sin: Tensor, pos: Tensor, n_head: int, n_kv: int, head_dim: int, n_rot: int, q_out: Tensor,
+                     k_cache: Tensor, v_cache: Tensor) -> None:
+    """:func:`qk_rope_kv` for T tokens at positions pos .. pos + T - 1:
+    ``qkv`` float32 [T, >= (H + 2 Hkv) Dh] (rows may be wider), ``q_out``
+    [T, H Dh]; every token's k and v written at its position."""
+    _qk_rope_kv_launch(qkv, q_norm, k_norm, eps, cos, sin, pos, n_head, n_kv, head_dim, n_rot, q_out, k_cache,
+                       v_cache, qkv.shape[0], qkv.stride(0), q_out.stride(0))
+
+
+def _qk_rope_kv_launch(qkv, q_norm, k_norm, eps, cos, sin, pos, n_head, n_kv, head_dim, n_rot, q_out, k_cache,
+                       v_cache, n_tok, stride_qkv, stride_q) -> None:
     has_norm = q_norm is not None
     (kq, kd, k8), (vq, vd, v8) = _kv_parts(k_cache), _kv_parts(v_cache)
-    _qk_rope_kv_kernel[(n_head + 2 * n_kv,)](
+    _qk_rope_kv_kernel[(n_head + 2 * n_kv, n_tok)](
         qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, pos, q_out, kq, vq, kd, vd,
-        n_head, n_kv, k_cache.shape[1], float(eps), DH=head_dim, NROT=n_rot, HAS_NORM=has_norm, K_Q8=k8, V_Q8=v8,
-        num_warps=1)
+        n_head, n_kv, k_cache.shape[1], float(eps), stride_qkv, stride_q, DH=head_dim, NROT=n_rot,
+        HAS_NORM=has_norm, K_Q8=k8, V_Q8=v8, num_warps=1)
 
 
 def _kv_parts(cache):
@@ -437,11 +565,16 @@ def _kv_parts(cache):
 
 @triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, kd_ptr, vd_ptr, pos_ptr, o_ptr, ml_ptr, keep_ptr, ratio, n_pos, scale,
-                       group, GP: tl.constexpr, DH: tl.constexpr, BLOCK_P: tl.constexpr, N_SPLIT: tl.constexpr,
-                       HAS_KEEP: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr):
+                       group, stride_q, GP: tl.constexpr, DH: tl.constexpr, BLOCK_P: tl.constexpr,
+                       N_SPLIT: tl.constexpr, HAS_KEEP: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr):
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
-    length = tl.load(pos_ptr).to(tl.int32) + 1
+    t = tl.program_id(2)                     # token t of the step sees positions 0 .. pos + t
+    length = tl.load(pos_ptr).to(tl.int32) + 1 + t
+    q_ptr += t.to(tl.int64) * stride_q
+    rows_t = tl.num_programs(0) * N_SPLIT * GP           # scratch rows per token
+    o_ptr += t.to(tl.int64) * rows_t * DH
+    ml_ptr += t.to(tl.int64) * rows_t * 2
     chunk = (length + N_SPLIT - 1) // N_SPLIT
     start = sp * chunk
     end = tl.minimum(start + chunk, length)
@@ -487,9 +620,14 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, kd_ptr, vd_ptr, pos_ptr, o_ptr, ml_p
 
 
 @triton.jit
-def _attn_reduce_kernel(o_ptr, ml_ptr, out_ptr, group, GP: tl.constexpr, DH: tl.constexpr,
+def _attn_reduce_kernel(o_ptr, ml_ptr, out_ptr, group, stride_out, GP: tl.constexpr, DH: tl.constexpr,
                         N_SPLIT: tl.constexpr):
     h = tl.program_id(0)
+    t = tl.program_id(1)
+    rows_t = tl.num_programs(0) // group * N_SPLIT * GP
+    o_ptr += t.to(tl.int64) * rows_t * DH
+    ml_ptr += t.to(tl.int64) * rows_t * 2
+    out_ptr += t.to(tl.int64) * stride_out
     kvh = h // group
     g = h % group
     sp = tl.arange(0, N_SPLIT)
@@ -512,20 +650,41 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: f
     [Hkv * ATTN_SPLITS * GP, 2] are scratch (GP: query heads per KV head,
     rounded up to a power of two). ``keep`` (int32 [ceil(P / ratio)], on the
     device): only positions whose block of ``ratio`` is kept count."""
+    _attn_launch(q, k_cache, v_cache, pos, scale, out, partial, ml, keep, ratio, 1, 0, 0)
+
+
+def attention_multi(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
+                    partial: Tensor, ml: Tensor) -> None:
+    """Causal attention of T tokens at positions pos .. pos + T - 1 (their
+    keys and values already in the cache): token t of ``q`` float32
+    [T, H Dh] sees positions 0 .. pos + t -> ``out`` [T, H Dh]; the scratch
+    from :func:`attn_scratch` with ``n_tok`` >= T. Each token is one
+    decode attention (the same splits over its own length); the keys of the
+    shared prefix are read once per token, mostly from L2."""
+    _attn_launch(q[0], k_cache, v_cache, pos, scale, out[0], partial, ml, None, 0, q.shape[0], q.stride(0),
+                 out.stride(0))
+
+
+def _attn_launch(q, k_cache, v_cache, pos, scale, out, partial, ml, keep, ratio, n_tok, stride_q,
+                 stride_out) -> None:
     n_kv, n_pos, dh = k_cache.shape
     group = q.numel() // dh // n_kv
     gp = triton.next_power_of_2(group)
     (kq, kd, k8), (vq, vd, v8) = _kv_parts(k_cache), _kv_parts(v_cache)
-    _attn_split_kernel[(n_kv, ATTN_SPLITS)](q, kq, vq, kd, vd, pos, partial, ml, pos if keep is None else keep,
-                                            max(1, int(ratio)), n_pos, float(scale), group,
-                                            GP=gp, DH=dh, BLOCK_P=16, N_SPLIT=ATTN_SPLITS, HAS_KEEP=keep is not None,
-                                            K_Q8=k8, V_Q8=v8, num_warps=4)
-    _attn_reduce_kernel[(n_kv * group,)](partial, ml, out, group, GP=gp, DH=dh, N_SPLIT=ATTN_SPLITS, num_warps=2)
+    _attn_split_kernel[(n_kv, ATTN_SPLITS, n_tok)](q, kq, vq, kd, vd, pos, partial, ml,
+                                                   pos if keep is None else keep, max(1, int(ratio)), n_pos,
+                                                   float(scale), group, stride_q, GP=gp, DH=dh, BLOCK_P=16,
+                                                   N_SPLIT=ATTN_SPLITS, HAS_KEEP=keep is not None, K_Q8=k8,
+                                                   V_Q8=v8, num_warps=4)
+    _attn_reduce_kernel[(n_kv * group, n_tok)](partial, ml, out, group, stride_out, GP=gp, DH=dh,
+                                               N_SPLIT=ATTN_SPLITS, num_warps=2)
 
 
-def attn_scratch(n_kv: int, n_head: int, head_dim: int, device) -> tuple[Tensor, Tensor]:
+def attn_scratch(n_kv: int, n_head: int, head_dim: int, device, n_tok: int = 1) -> tuple[Tensor, Tensor]:
+    """Scratch of :func:`attention` (``n_tok`` 1) or :func:`attention_multi`
+    (up to ``n_tok`` tokens)."""
     gp = triton.next_power_of_2(n_head // n_kv)
-    rows = n_kv * ATTN_SPLITS * gp
+    rows = n_tok * n_kv * ATTN_SPLITS * gp
     return (torch.zeros(rows, head_dim, dtype=torch.float32, device=device),
             torch.zeros(rows, 2, dtype=torch.float32, device=device))
 

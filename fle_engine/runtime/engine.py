@@ -12,6 +12,11 @@ runs while the GPU computes.
 
 Without CUDA the same step runs eagerly with the reference operations
 (``impl="reference"``) and the same ordering of policy and steps.
+
+Drafted decoding checks n drafted tokens in one step of T = 1 + n tokens:
+:meth:`Engine.verify_step` (a CUDA graph per T, captured on first use),
+:meth:`Engine.rewind` to drop the rejected positions, and
+:meth:`Engine.step_cost` to measure such a step.
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ from .split import SHARE_ONE, MissSplit, cpu_experts, parse_split
 from .split import cpu_threads as split_threads
 from .weights import HostExperts
 
-__all__ = ["Engine", "RunStats", "ARCHS", "KV_TYPES", "parse_budget"]
+__all__ = ["Engine", "RunStats", "ARCHS", "KV_TYPES", "VERIFY_MAX", "parse_budget"]
 
 ARCHS = {"qwen3moe": qwen3moe, "qwen3next": qwen3next, "qwen4exp": qwen4exp}
 KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": "q8_0"}
@@ -51,6 +56,7 @@ PROFILE_EVERY_S = 600.0
 # ~0.2 s over PCIe 5), which decode steps beat below a few dozen tokens
 PREFILL_MIN = 32
 _RING = 8
+VERIFY_MAX = 4          # tokens of the largest verify step (1 + 3 drafts)
 
 _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000 ** 2, "MB": 1000 ** 2, "G": 1000 ** 3, "GB": 1000 ** 3,
           "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40, "T": 1000 ** 4, "TB": 1000 ** 4}
@@ -580,6 +586,191 @@ class Engine:
             self.stats.gen_tokens += max(0, n_out - 1)
             self.stats.gen_seconds += t2 - (t1 or t2)
 
+    # verify steps: T = 1 + n tokens in one pass ------------------------------------
+    def _multi_ready(self) -> None:
+        """Refuse nets without a T-token step; allocate its buffers once."""
+        why = self.net.multi_unsupported()
+        if why:
+            raise FleError(why)
+        if self.launched != self.consumed:
+            raise FleError("internal: a verify step while decode steps are in flight")
+        if getattr(self.state, "multi", None) is None:
+            self.net.alloc_multi(self.state, VERIFY_MAX)
+            a = self.args
+            mk = (lambda *s, dt: torch.zeros(*s, dtype=dt).pin_memory()) if self.cuda else (
+                lambda *s, dt: torch.zeros(*s, dtype=dt))
+            self._multi_tok_in = mk(VERIFY_MAX, dt=torch.int64)
+            self._multi_tok_out = mk(VERIFY_MAX, dt=torch.int64)
+            self._multi_ids = mk(a.n_layer, VERIFY_MAX * a.n_expert_used, dt=torch.int32)
+            self._multi_hits = mk(a.n_layer, VERIFY_MAX * a.n_expert_used, dt=torch.int32)
+            self._multi_graphs, self._multi_pool = {}, None
+
+    def _capture_multi(self, n: int):
+        """The CUDA graph of the n-token step, captured at the current
+        position: the two eager runs that compile its kernels write K/V at
+        the positions the step itself is about to write, and the position
+        is put back after each."""
+        st = self.state
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.net.step_multi(st, self.ops, self.cache, n)
+                st.pos.sub_(n)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._multi_pool):
+            self.net.step_multi(st, self.ops, self.cache, n)
+        self._multi_pool = g.pool()
+        self._multi_graphs[n] = g
+        return g
+
+    def _run_multi(self, n: int) -> None:
+        """One n-token step on the device (replayed, or eager without graphs)."""
+        if self._graph is not None:
+            g = self._multi_graphs.get(n)
+            (g if g is not None else self._capture_multi(n)).replay()
+        else:
+            with torch.inference_mode():
+                self.net.step_multi(self.state, self.ops, self.cache, n)
+
+    def verify_step(self, tokens: Sequence[int]) -> list[int]:
+        """Run ``tokens`` (1 to :data:`VERIFY_MAX`: the next token and up to
+        three drafts) at the current position in one step and return the
+        greedy token after each; the position advances by T = len(tokens).
+        A caller that accepts the first j drafts keeps j + 1 of the returned
+        tokens and calls :meth:`rewind` with T - 1 - j.
+
+        Continues the sequence that :meth:`generate` (or earlier verify
+        steps) left: after ``generate(prompt, 1)`` returned ``[g]``, pass
+        ``[g, d1, ...]``. T = 1 is the plain decode step; T > 1 is the
+        qwen3moe net's :meth:`~fle_engine.runtime.qwen3moe.Net.step_multi`,
+        one CUDA graph per T (captured on first use) with CUDA and graphs.
+        The step's routed ids (T x K per layer, repeats counted) and hit
+        flags go to the cache policy as one step, synchronously; every miss
+        is read by the GPU (no CPU share of the misses in a verify step)."""
+        toks = [int(t) for t in tokens]
+        n = len(toks)
+        if not 1 <= n <= VERIFY_MAX:
+            raise FleError(f"a verify step takes 1 to {VERIFY_MAX} tokens (the next one and up to "
+                           f"{VERIFY_MAX - 1} drafts), not {n}")
+        if self.launched + n > self.ctx_size:
+            raise FleError(f"a verify step of {n} tokens at position {self.launched} runs past the context "
+                           f"({self.ctx_size} positions)")
+        if n == 1:
+            self._launch(toks[0])
+            out = [self._consume()]
+            self.length = self.launched + 1
+            return out
+        self._multi_ready()
+        st, k = self.state, self.args.n_expert_used
+        self.cache.boundary()
+        t0 = time.perf_counter()
+        self._multi_tok_in[:n] = torch.tensor(toks, dtype=torch.int64)
+        st.toks[:n].copy_(self._multi_tok_in[:n], non_blocking=True)
+        self._run_multi(n)
+        m = st.multi
+        for dst, src in ((self._multi_tok_out[:n], st.next_toks[:n]),
+                         (self._multi_ids[:, :n * k], m.ids_log[:, :n * k]),
+                         (self._multi_hits[:, :n * k], m.hit_log[:, :n * k])):
+            dst.copy_(src, non_blocking=self.cuda)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.stats.launch_seconds += time.perf_counter() - t0
+        self.launched += n
+        self.consumed += n
+        self.length = self.launched + 1
+        self.cache.observe(self._multi_ids[:, :n * k].numpy(), self._multi_hits[:, :n * k].numpy())
+        return self._multi_tok_out[:n].tolist()
+
+    def rewind(self, n: int) -> None:
+        """Move the position back by ``n`` (the rejected drafts of the last
+        verify step): the KV cache is addressed by position, so the dropped
+        positions are simply written again by later steps. Nets with
+        recurrent state (qwen3next, qwen4exp) would need a snapshot before
+        the verify step and its restore here, which is not done yet: they
+        are refused."""
+        n = int(n)
+        why = self.net.multi_unsupported()
+        if why:
+            raise FleError(f"rewind: {why}")
+        if not 0 <= n <= self.launched:
+            raise FleError(f"rewind by {n}: the sequence has {self.launched} positions")
+        if self.launched != self.consumed:
+            raise FleError("internal: rewind while steps are in flight")
+        if n:
+            self.state.pos.sub_(n)
+            self.launched -= n
+            self.consumed -= n
+            self.length = self.launched + 1
+
+    def step_cost(self, n_tok: int, reps: int = 20, seed: int = 0) -> dict:
+        """The T = ``n_tok`` step measured at the current position with the
+        cache as it is (no policy steps): ``seconds`` per replay (mean over
+        ``reps``, after one unmeasured run), and per step the bytes of the
+        missed experts read over PCIe: ``pcie_bytes_union`` (each distinct
+        missed expert of a layer once, what the step reads) against
+        ``pcie_bytes_sum`` (the sum over tokens, what T one-token steps
+        would read), with ``miss_rows`` and ``distinct_misses``. The tokens
+        are random, new ones each replay; the position is put back after
+        each, so the sequence is left as it was (positions from the current
+        one on are overwritten, as a later step would)."""
+        n = int(n_tok)
+        if not 1 <= n <= VERIFY_MAX or self.launched + n > self.ctx_size:
+            raise FleError(f"step_cost: {n} tokens at position {self.launched} (1 to {VERIFY_MAX}, within the "
+                           f"context of {self.ctx_size})")
+        if n > 1:
+            self._multi_ready()
+        a, st, dev = self.args, self.state, self.device
+        k = a.n_expert_used
+        rng = np.random.default_rng(seed)
+        toks = torch.from_numpy(rng.integers(a.n_vocab, size=(reps + 1, n))).to(dev)
+        ids_log = st.ids_log if n == 1 else st.multi.ids_log[:, :n * k]
+        hit_log = st.hit_log if n == 1 else st.multi.hit_log[:, :n * k]
+        ids = torch.zeros(reps + 1, *ids_log.shape, dtype=torch.int32, device=dev)
+        hits = torch.zeros_like(ids)
+
+        def once(i: int) -> None:
+            if n == 1:
+                st.tok.copy_(toks[i])
+                if self._graph is not None:
+                    self._graphs[self.net.variant_for(self.launched, self.ctx_size)].replay()
+                else:
+                    self.net.set_variant(st, self.net.variant_for(self.launched, self.ctx_size))
+                    with torch.inference_mode():
+                        self._step()
+            else:
+                st.toks[:n].copy_(toks[i])
+                self._run_multi(n)
+            st.pos.sub_(n)
+            ids[i].copy_(ids_log)
+            hits[i].copy_(hit_log)
+
+        once(reps)                                   # compiles, captures, warms
+        if self.cuda:
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for i in range(reps):
+            once(i)
+        if self.cuda:
+            torch.cuda.synchronize(dev)
+        seconds = (time.perf_counter() - t0) / reps
+        lays = self.net.layouts
+        eb = [lays[il].expert_bytes if il in lays else 0 for il in range(a.n_layer)]    # ids_log row = layer
+        ids_h, hits_h = ids[:reps].cpu().numpy(), hits[:reps].cpu().numpy()
+        union = total = rows = distinct = 0.0
+        for i in range(reps):
+            for li in range(ids_h.shape[1]):
+                missed = ids_h[i, li][hits_h[i, li] == 0]
+                n_distinct = len(np.unique(missed))
+                rows += len(missed)
+                distinct += n_distinct
+                total += len(missed) * eb[li]
+                union += n_distinct * eb[li]
+        return {"tokens": n, "seconds": seconds, "pcie_bytes_union": union / reps, "pcie_bytes_sum": total / reps,
+                "miss_rows": rows / reps, "distinct_misses": distinct / reps,
+                "hit_rate": float(hits_h.mean()) if hits_h.size else 1.0}
+
     def close(self) -> None:
         if getattr(self, "cache", None) is not None and self.profile_path is not None:
             try:
@@ -588,6 +779,7 @@ class Engine:
                 self.log(f"expert cache profile not saved: {e}")
         self._graph = None
         self._graphs = {}
+        self._multi_graphs = {}
         if getattr(self, "split", None) is not None:
             torch.cuda.synchronize(self.device) if self.cuda else None
             self.split.close()

@@ -10,10 +10,16 @@ routed experts two (gate+up with SwiGLU, down with the routing weights).
 
 The pieces (attention, routed MoE with an optional shared expert, the
 buffers) are methods that :mod:`.qwen3next` reuses.
+
+:meth:`Net.step_multi` is the verify step of drafted decoding: T tokens at
+positions pos .. pos + T - 1 in one pass (the same launches per layer with
+T rows; attention causal within the step; each distinct routed expert of
+the step read once for all its tokens), qwen3moe's layers only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -385,3 +391,121 @@ class Net:
     def prefill_parts(self, m: Moe, buf) -> Tensor:
         """The parts that the layer's MoE wrote for T tokens: [T, K, D]."""
         return buf.y.view(buf.T, self.args.n_expert_used, self.args.n_embd)
+
+    # the verify step: T tokens in one pass -------------------------------------------
+    def multi_unsupported(self) -> "str | None":
+        """Why :meth:`step_multi` cannot run on this net, or None."""
+        if type(self) is not Net:
+            return (f"{self.args.arch}: a step of several tokens runs on qwen3moe's layers only; recurrent layers "
+                    f"(gated delta net) would need their state snapshotted before it and restored on a rewind")
+        if any(L.moe.shared is not None for L in self.layers):
+            return f"{self.args.arch}: a step of several tokens has no shared-expert path yet"
+        return None
+
+    def alloc_multi(self, state, t_max: int) -> None:
+        """Buffers of :meth:`step_multi` for up to ``t_max`` tokens (static
+        addresses: a step of T tokens uses the first T rows), in
+        ``state.multi``; ``state.toks`` int64 [t_max] the input tokens and
+        ``state.next_toks`` int64 [t_max] the greedy token after each."""
+        a, dev = self.args, self.device
+        hd, k = a.head_dim, a.n_expert_used
+        f32 = dict(dtype=torch.float32, device=dev)
+        m = state.multi = SimpleNamespace(t_max=t_max)
+        m.x = torch.zeros(t_max, a.n_embd, **f32)
+        m.xn = torch.zeros(t_max, a.n_embd, **f32)
+        m.qkv = torch.zeros(t_max, (a.n_head + 2 * a.n_head_kv) * hd, **f32)
+        m.q = torch.zeros(t_max, a.n_head * hd, **f32)
+        m.o = torch.zeros(t_max, a.n_head * hd, **f32)
+        m.attn_out = torch.zeros(t_max, 1, a.n_embd, **f32)
+        m.router = torch.zeros(t_max, a.n_expert, **f32)
+        m.ids = torch.zeros(t_max, k, dtype=torch.int64, device=dev)
+        m.wts = torch.zeros(t_max, k, **f32)
+        m.h = torch.zeros(t_max * k, a.n_ff_exp, **f32)
+        m.y = torch.zeros(t_max, k, a.n_embd, **f32)                         # [T, K, D]: the parts of each token
+        m.logits = torch.zeros(t_max, a.n_vocab, **f32)
+        # per layer the routed ids of all T tokens (row-major [T, K]) and whether the map had them
+        m.ids_log = torch.zeros(a.n_layer, t_max * k, dtype=torch.int32, device=dev)
+        m.hit_log = torch.zeros(a.n_layer, t_max * k, dtype=torch.int32, device=dev)
+        state.toks = torch.zeros(t_max, dtype=torch.int64, device=dev)
+        state.next_toks = torch.zeros(t_max, dtype=torch.int64, device=dev)
+        if state.fast:
+            from ..kernels.triton_engine import attn_scratch
+
+            m.partial, m.ml = attn_scratch(a.n_head_kv, a.n_head, hd, dev, n_tok=t_max)
+        else:
+            m.partial = m.ml = None
+
+    def attention_multi(self, at: Attn, il: int, state, ops, n: int) -> None:
+        """m.xn [T, D] -> m.attn_out [T, 1, D]: k, v of the T tokens written
+        at pos .. pos + T - 1, token t attending to positions <= pos + t."""
+        a, m, hd = self.args, state.multi, self.args.head_dim
+        impl = self.impl(state)
+        nq, nkv = a.n_head * hd, a.n_head_kv * hd
+        xn, qkv = m.xn[:n], m.qkv[:n]
+        if at.qkv is not None:
+            at.qkv.matvec(xn, qkv[:, :at.qkv.n_out], impl)
+        else:
+            off = 0
+            for w in at.parts:
+                w.matvec(xn, qkv[:, off:off + w.n_out], impl)
+                off += w.n_out
+        kc, vc = state.kv[il][:2]
+        ops.qk_rope_kv_multi(qkv[:, :nq + 2 * nkv], at.q_norm, at.k_norm, a.eps, state.rope_cos, state.rope_sin,
+                             state.pos, a.n_head, a.n_head_kv, hd, a.n_rot, m.q[:n], kc, vc)
+        ops.attention_multi(m.q[:n], kc, vc, state.pos, getattr(a, "attn_scale", hd ** -0.5), m.o[:n], m.partial,
+                            m.ml)
+        at.wo.matvec(m.o[:n], m.attn_out[:n].view(n, -1), impl)
+
+    def moe_multi(self, mo: Moe, il: int, state, ops, cache, n: int) -> None:
+        """m.xn [T, D] -> m.y [T, K, D]: the weighted routed experts of the T
+        tokens, each distinct expert read once (from its slot, or from host
+        memory when missed) for every token routed to it."""
+        a, m = self.args, state.multi
+        k, lay = a.n_expert_used, mo.layout
+        xn = m.xn[:n]
+        torch.matmul(xn, mo.router.T, out=m.router[:n])
+        smap = cache.layer_map(il)
+        ops.route_topk(m.router[:n], k, a.expert_weights_scale, smap, m.ids[:n], m.wts[:n],
+                       m.ids_log[il, :n * k].view(n, k), m.hit_log[il, :n * k].view(n, k))
+        ids, wts, h, y = m.ids[:n].view(-1), m.wts[:n].view(-1), m.h[:n * k], m.y[:n].view(n * k, -1)
+        if state.fast:
+            words, delta = cache.words(il, lay.gu_type)
+            ops.experts_union(words, lay.gu_type, delta, 0, lay.expert_bytes // words.element_size(), lay.n_ff,
+                              lay.gu_row_bytes, smap, ids, xn, h, True, k, mode=cache.mode)
+            words, delta = cache.words(il, lay.down_type)
+            wsz = words.element_size()
+            ops.experts_union(words, lay.down_type, delta, lay.down_offset // wsz, lay.expert_bytes // wsz, a.n_embd,
+                              lay.down_row_bytes, smap, ids, h, y, False, k, wts, mode=cache.mode)
+        else:
+            st = cache.reference_store(il, lay.gu_type)
+            ops.experts_union(st, lay.gu_type, 0, 0, 0, lay.n_ff, lay.gu_row_bytes, smap, ids, xn, h, True, k)
+            st = cache.reference_store(il, lay.down_type)
+            ops.experts_union(st, lay.down_type, 0, lay.down_offset // st.word, 0, a.n_embd, lay.down_row_bytes,
+                              smap, ids, h, y, False, k, wts)
+
+    def step_multi(self, state, ops, cache, n: int) -> None:
+        """T = ``n`` tokens in one pass (:meth:`alloc_multi` first): reads
+        ``state.toks[:n]`` and ``state.pos`` on the device, writes the K/V of
+        positions pos .. pos + n - 1, the logits of every token into
+        ``state.multi.logits[:n]`` and the greedy token after each into
+        ``state.next_toks[:n]``, and advances pos by n. Token t's logits
+        equal those of a one-token step at position pos + t fed the same
+        tokens (up to the order of float sums). Every missed expert is read
+        by the GPU here (no CPU share, runtime.split)."""
+        a, m = self.args, state.multi
+        x, xn = m.x[:n], m.xn[:n]
+        if self.tok_embd.qtype in W.FLOAT_TYPES:
+            torch.index_select(self.tok_embd.data, 0, state.toks[:n], out=x)
+        else:
+            for t in range(n):
+                ops.embed_row(self.tok_embd.data, self.tok_embd.qtype, state.toks[t:t + 1], x[t])
+        ops.add_rmsnorm(x, None, self.layers[0].attn_norm, a.eps, xn)
+        for il, L in enumerate(self.layers):
+            self.attention_multi(L.mixer, il, state, ops, n)
+            ops.add_rmsnorm(x, m.attn_out[:n], L.ffn_norm, a.eps, xn)
+            self.moe_multi(L.moe, il, state, ops, cache, n)
+            nxt = self.layers[il + 1].attn_norm if il + 1 < len(self.layers) else self.output_norm
+            ops.add_rmsnorm(x, m.y[:n], nxt, a.eps, xn)
+        self.output.matvec(xn, m.logits[:n], self.impl(state))
+        torch.argmax(m.logits[:n], dim=-1, out=state.next_toks[:n])
+        state.pos.add_(n)

@@ -1,0 +1,174 @@
+"""The verify step of drafted decoding on the engine: the cost of one step
+of T = 1 + n tokens (n drafts) against the plain decode step, and the decode
+rate that the report's acceptance would give with it.
+
+    python3 bench/verify_step.py --model FILE.gguf --cache-budget third
+    python3 bench/verify_step.py --shape 30b-a3b --routing calibrated   # bench/engine.py's file in --work
+
+Steps: load the file under the cache budget (``third``: 1/3 of the file's
+expert bytes, as bench/engine.py gives both engines), decode ``--warmup``
+random tokens (teacher-forced; the cache policy runs and warms the slots),
+then at that position replay each step ``--reps`` times with the cache as
+it is: T(0) the decode step, T(n) the verify step of 1 + n tokens (one CUDA
+graph each). Printed per n: T(n), T(n)/T(0), the bytes of missed experts
+read over PCIe per step (the step reads each distinct missed expert of a
+layer once: "union"; T one-token steps would read the sum over tokens), and
+a decode rate MODELLED from the measured step costs and the report's
+acceptance: with conditional acceptance a1, a2, a3 of drafts 1, 2, 3 (0.86,
+0.78, 0.78), a step accepts E(n) = 1 + a1 + a1 a2 + ... tokens on average
+and the rate is E(n) / (T(n) + n * draft cost). The draft cost per drafted
+token is ``--draft-ms`` (default 0: the rate is then an upper bound for
+drafting that is not free).
+
+On a machine without CUDA, ``--device cpu`` runs the reference operations
+on a small file (a smoke test; the times mean nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+ACCEPT = (0.86, 0.78, 0.78)
+
+
+def expected_tokens(accept, n: int) -> float:
+    """Tokens a step with ``n`` drafts settles on average: 1 + a1 + a1 a2 + ..."""
+    e, p = 1.0, 1.0
+    for a in accept[:n]:
+        p *= a
+        e += p
+    return e
+
+
+def _bench_engine():
+    """bench/engine.py as a module (its shapes, calibration and factory call)."""
+    spec = importlib.util.spec_from_file_location("bench_engine", Path(__file__).with_name("engine.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench_file(shape: str, routing: str, work: Path) -> Path:
+    """bench/engine.py's file for ``shape`` and ``routing`` (written when missing, as bench/engine.py does)."""
+    be = _bench_engine()
+    sh = be.SHAPES[shape]
+    o = sh["overrides"]
+    skew = {"uniform": 0.0}.get(routing)
+    if skew is None:
+        skew = be.calibrate_skew(o["expert_count"], o["expert_used_count"]) if routing == "calibrated" else float(
+            routing)
+    path = work / f"{shape}-skew{skew:.3f}.gguf"
+    if not path.exists():
+        from fle_quant.synth.fast import make_fast_model
+
+        work.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        extra = {"mtp": sh["mtp"]} if "mtp" in sh else {}
+        make_fast_model(path, sh["arch"], seed=0, mix=sh["mix"], rules=sh["rules"], routing_skew=skew, progress=False,
+                        **extra, **be.shape_overrides(o))
+        print(f"wrote {path.name} ({path.stat().st_size / 2**30:.1f} GiB) in {time.time() - t0:.0f} s", flush=True)
+    return path
+
+
+def third_budget(path: Path) -> int:
+    """1/3 of the file's routed-expert bytes (bench/engine.py: the experts of
+    a third of the layers)."""
+    from fle_quant.gguf_reader import GGUFModel
+
+    with GGUFModel.open(path) as g:
+        n_layer = int(g.hparam("block_count"))
+        exp_bytes = sum(t.n_bytes for t in g.tensors.values() if "_exps." in t.name)
+    return exp_bytes * (n_layer // 3) // n_layer
+
+
+def run(model: Path, budget, device: str, warmup: int, reps: int, draft_ms: float, accept, seed: int) -> dict:
+    from fle_engine.runtime import Engine
+
+    ctx = max(256, warmup + 64)
+    eng = Engine(model, device=device, cache_budget=budget, ctx_size=ctx, profile_path="none", progress=False)
+    try:
+        rng = np.random.default_rng(seed)
+        v = eng.args.n_vocab
+        t0 = time.perf_counter()
+        eng.generate([int(rng.integers(v))], warmup, feed=rng.integers(v, size=warmup).tolist())
+        decode_tok_s = warmup / (time.perf_counter() - t0)
+        res = {"model": str(model), "device": device, "cache_bytes": eng.cache.budget_used, "position": eng.launched,
+               "warmup_tokens": warmup, "warmup_decode_tok_s": decode_tok_s,
+               "warmup_hit_rate": eng.cache.stats.hit_rate, "reps": reps, "draft_ms": draft_ms,
+               "accept": list(accept), "rows": []}
+        for n in range(len(accept) + 1):
+            c = eng.step_cost(1 + n, reps=reps, seed=seed + n)
+            res["rows"].append(dict(c, drafts=n))
+        t_0 = res["rows"][0]["seconds"]
+        for r in res["rows"]:
+            n = r["drafts"]
+            r["ratio"] = r["seconds"] / t_0
+            r["expected_tokens"] = expected_tokens(accept, n)
+            r["modelled_tok_s"] = r["expected_tokens"] / (r["seconds"] + n * draft_ms * 1e-3)
+    finally:
+        eng.close()
+    return res
+
+
+def report(res: dict) -> None:
+    mb = 1e6
+    print(f"{Path(res['model']).name}: expert cache {res['cache_bytes'] / 2**30:.2f} GiB, position {res['position']} "
+          f"after {res['warmup_tokens']} warm-up tokens ({res['warmup_decode_tok_s']:.1f} tok/s decoding, hit rate "
+          f"{res['warmup_hit_rate']:.3f}); {res['reps']} replays per step, cache frozen")
+    print(f"{'n':>2} {'T':>2} {'T(n) ms':>9} {'T(n)/T(0)':>9} {'hit':>6} {'PCIe MB union':>14} {'sum':>9} "
+          f"{'misses':>7} {'distinct':>8} {'E(n)':>6} {'tok/s*':>8}")
+    for r in res["rows"]:
+        print(f"{r['drafts']:>2} {r['tokens']:>2} {r['seconds'] * 1e3:>9.3f} {r['ratio']:>9.3f} {r['hit_rate']:>6.3f} "
+              f"{r['pcie_bytes_union'] / mb:>14.1f} {r['pcie_bytes_sum'] / mb:>9.1f} {r['miss_rows']:>7.1f} "
+              f"{r['distinct_misses']:>8.1f} {r['expected_tokens']:>6.3f} {r['modelled_tok_s']:>8.1f}")
+    a = ", ".join(f"{x:g}" for x in res["accept"])
+    print(f"* MODELLED, not measured: from the measured step costs and the report's acceptance ({a} for drafts "
+          f"1, 2, 3), rate = E(n) / (T(n) + n x {res['draft_ms']:g} ms draft cost per drafted token"
+          + (", i.e. drafting taken as free)" if res["draft_ms"] == 0 else ")"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="the GGUF file (else --shape/--routing in --work)")
+    p.add_argument("--shape", default="30b-a3b", help="bench/engine.py's shape, when no --model (default 30b-a3b)")
+    p.add_argument("--routing", default="calibrated", help="bench/engine.py's routing: uniform, calibrated or a skew")
+    p.add_argument("--work", type=Path, default=Path("/tmp/fle-bench"), help="bench/engine.py's files (written when "
+                   "missing)")
+    p.add_argument("--cache-budget", default="third",
+                   help="GPU bytes for expert slots: 'third' (1/3 of the expert bytes, bench/engine.py's), 'auto' or "
+                        "a size such as 5GiB")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--warmup", type=int, default=256, help="tokens decoded before the measurement")
+    p.add_argument("--reps", type=int, default=50, help="replays per step")
+    p.add_argument("--draft-ms", type=float, default=0.0,
+                   help="draft cost per drafted token in ms for the modelled rate (default 0: drafting free)")
+    p.add_argument("--accept", default=",".join(map(str, ACCEPT)),
+                   help="conditional acceptance of drafts 1, 2, 3 (default the report's 0.86,0.78,0.78)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args(argv)
+
+    from fle_engine.runtime import parse_budget
+    from fle_quant.errors import FleError
+
+    try:
+        path = args.model or bench_file(args.shape, args.routing, args.work)
+        budget = third_budget(path) if args.cache_budget == "third" else parse_budget(args.cache_budget)
+        accept = tuple(float(x) for x in args.accept.split(","))
+        res = run(path, "auto" if budget is None else budget, args.device, args.warmup, args.reps, args.draft_ms,
+                  accept, args.seed)
+    except FleError as e:
+        raise SystemExit(f"verify_step: {e}") from None
+    report(res)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
