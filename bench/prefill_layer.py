@@ -70,11 +70,17 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n * 1e3
 
-    for bn in (8, 16, 32):
-        ms = timed(lambda: (triton_dequant.dequant(words, qt, base_gu, 2 * F, gu1.shape[-1], w_gu, tile_order=True, block_n=bn),
-                            triton_dequant.dequant(words, qt, base_dn, D, dn1.shape[-1], w_dn, tile_order=True, block_n=bn)))
+    best = None
+    for bn, wp in ((4, 1), (8, 2), (8, 4), (16, 4), (32, 8)):
+        ms = timed(lambda: (triton_dequant.dequant(words, qt, base_gu, 2 * F, gu1.shape[-1], w_gu, tile_order=True,
+                                                   block_n=bn, warps=wp),
+                            triton_dequant.dequant(words, qt, base_dn, D, dn1.shape[-1], w_dn, tile_order=True,
+                                                   block_n=bn, warps=wp)))
         gbs = (w_gu.numel() + w_dn.numel()) * 2 / ms / 1e6
-        print(f"  decode the layer to bfloat16, BLOCK_N {bn}: {ms:.2f} ms ({gbs:.0f} GB/s written)", flush=True)
+        print(f"  decode the layer to bfloat16, BLOCK_N {bn}, {wp} warps: {ms:.2f} ms ({gbs:.0f} GB/s written)",
+              flush=True)
+        if best is None or ms < best[0]:
+            best = (ms, bn, wp)
     for T in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(T, D, device=dev) * 0.5
         ids = torch.topk(torch.randn(T, E, device=dev), K, dim=-1).indices
@@ -89,6 +95,7 @@ def main(argv=None) -> int:
         print(f"  T {T}: sort + grouped products {ms:.2f} ms ({flops / ms / 1e9:.0f} TFLOP/s); with the decode: "
               f"{ms + timed(lambda: triton_dequant.dequant(words, qt, base_gu, 2 * F, gu1.shape[-1], w_gu, tile_order=True)) + timed(lambda: triton_dequant.dequant(words, qt, base_dn, D, dn1.shape[-1], w_dn, tile_order=True)):.2f} ms "
               f"against the copy's {copy_ms:.2f} ms", flush=True)
+    print(f"best decode configuration: {best[1]},{best[2]}")
     return 0
 
 

@@ -4,7 +4,7 @@ tensor cores through torch (cuBLAS, and torch's grouped GEMM for a layer's
 experts), on weights decoded once per micro-batch; the decode step's fused
 kernels (:mod:`.triton_engine`) read the blocks directly instead.
 
-A program decodes one 256-value chunk of ``BLOCK_N`` rows of one matrix
+A program decodes ``BLOCK_N`` rows of one matrix, a 256-value chunk at a time,
 with the decode step's decoders (:func:`~fle_engine.kernels.triton_quant._decode`,
 bit-exact against ggml's ``to_float``) and stores it in the chunk's value
 order. The matrices start at word offsets ``base[g]`` of one word buffer
@@ -14,6 +14,8 @@ as it lies (contiguous, vectorised stores) and the product's other operand
 has its columns permuted instead (one gather of the activations).
 """
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -29,29 +31,34 @@ __all__ = ["dequant"]
 @triton.jit
 def _dequant_kernel(wv, lut_ptr, base_ptr, out_ptr, n_rows, n_in, n_blocks, row_words,
                     QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr,
-                    TILE_ORDER: tl.constexpr):
+                    N_CHUNKS: tl.constexpr, TILE_ORDER: tl.constexpr):
     g = tl.program_id(0)
     pid_n = tl.program_id(1)
-    kc = tl.program_id(2)
     base = tl.load(base_ptr + g)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n_rows
     row_w = base + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_words
-    w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)            # [BN, A, B, C]
-    k = kc * (A * B * C) + _value_index(QTYPE, A, B, C)
     row = (g.to(tl.int64) * n_rows + tl.where(mask_n, offs_n, 0)).to(tl.int64)
-    if TILE_ORDER:      # the tile as it lies in registers: contiguous stores (the columns permuted in each chunk)
-        a = tl.arange(0, A)[:, None, None]
-        b = tl.arange(0, B)[None, :, None]
-        c = tl.arange(0, C)[None, None, :]
-        dst = out_ptr + row[:, None, None, None] * n_in + (kc * (A * B * C) + (a * B + b) * C + c)[None, :, :, :]
-    else:
-        dst = out_ptr + row[:, None, None, None] * n_in + k[None, :, :, :]
-    tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=mask_n[:, None, None, None] & (k < n_in)[None, :, :, :])
+    k_in = _value_index(QTYPE, A, B, C)
+    a = tl.arange(0, A)[:, None, None]
+    b = tl.arange(0, B)[None, :, None]
+    c = tl.arange(0, C)[None, None, :]
+    for kc in range(0, N_CHUNKS):
+        w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)            # [BN, A, B, C]
+        k = kc * (A * B * C) + k_in
+        if TILE_ORDER:  # the tile as it lies in registers: contiguous stores (the columns permuted in each chunk)
+            dst = out_ptr + row[:, None, None, None] * n_in + (kc * (A * B * C) + (a * B + b) * C + c)[None, :, :, :]
+        else:
+            dst = out_ptr + row[:, None, None, None] * n_in + k[None, :, :, :]
+        tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=mask_n[:, None, None, None] & (k < n_in)[None, :, :, :])
+
+
+# (rows per program, warps); FLE_DEQUANT_CONFIG="rows,warps" overrides (tuning: bench/prefill_layer.py)
+CONFIG = tuple(int(v) for v in os.environ.get("FLE_DEQUANT_CONFIG", "8,2").split(","))
 
 
 def dequant(words: Tensor, qtype: GGMLType, base: Tensor, n_rows: int, row_bytes: int, out: Tensor,
-            tile_order: bool = False, block_n: int = 16) -> Tensor:
+            tile_order: bool = False, block_n: "int | None" = None, warps: "int | None" = None) -> Tensor:
     """``out`` [G, n_rows, n_in] (bfloat16 or float32) = the G matrices of
     ``n_rows`` rows of ``row_bytes`` at word offsets ``base`` (int64 [G],
     device) of ``words``, decoded; ``tile_order``: the columns of each
@@ -61,8 +68,11 @@ def dequant(words: Tensor, qtype: GGMLType, base: Tensor, n_rows: int, row_bytes
     values, size = BLOCK_GEOMETRY[qtype]
     n_blocks = row_bytes // size
     a, b, c = fmt.tile
-    grid = (base.numel(), triton.cdiv(n_rows, block_n), triton.cdiv(n_blocks, fmt.blocks_per_chunk))
+    if block_n is None:
+        block_n, warps = CONFIG
+    grid = (base.numel(), triton.cdiv(n_rows, block_n))
     _dequant_kernel[grid](words, _lut(qtype, fmt, words), base, out, n_rows, n_blocks * values, n_blocks,
                           row_bytes // words.element_size(), QTYPE=int(qtype), A=a, B=b, C=c, BLOCK_N=block_n,
-                          TILE_ORDER=bool(tile_order), num_warps=4)
+                          N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk), TILE_ORDER=bool(tile_order),
+                          num_warps=warps)
     return out
