@@ -31,7 +31,7 @@ __all__ = ["dequant"]
 @triton.jit
 def _dequant_kernel(wv, lut_ptr, base_ptr, out_ptr, n_rows, n_in, n_blocks, row_words,
                     QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr,
-                    N_CHUNKS: tl.constexpr, TILE_ORDER: tl.constexpr):
+                    N_CHUNKS: tl.constexpr, TILE_ORDER: tl.constexpr, EVEN: tl.constexpr):
     g = tl.program_id(0)
     pid_n = tl.program_id(1)
     base = tl.load(base_ptr + g)
@@ -50,7 +50,11 @@ def _dequant_kernel(wv, lut_ptr, base_ptr, out_ptr, n_rows, n_in, n_blocks, row_
             dst = out_ptr + row[:, None, None, None] * n_in + (kc * (A * B * C) + (a * B + b) * C + c)[None, :, :, :]
         else:
             dst = out_ptr + row[:, None, None, None] * n_in + k[None, :, :, :]
-        tl.store(dst, w.to(out_ptr.dtype.element_ty), mask=mask_n[:, None, None, None] & (k < n_in)[None, :, :, :])
+        if EVEN:        # whole chunks and row blocks: no mask, so the stores can be vectorised
+            tl.store(dst, w.to(out_ptr.dtype.element_ty))
+        else:
+            tl.store(dst, w.to(out_ptr.dtype.element_ty),
+                     mask=mask_n[:, None, None, None] & (k < n_in)[None, :, :, :])
 
 
 # (rows per program, warps); FLE_DEQUANT_CONFIG="rows,warps" overrides (tuning: bench/prefill_layer.py)
@@ -74,5 +78,6 @@ def dequant(words: Tensor, qtype: GGMLType, base: Tensor, n_rows: int, row_bytes
     _dequant_kernel[grid](words, _lut(qtype, fmt, words), base, out, n_rows, n_blocks * values, n_blocks,
                           row_bytes // words.element_size(), QTYPE=int(qtype), A=a, B=b, C=c, BLOCK_N=block_n,
                           N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk), TILE_ORDER=bool(tile_order),
+                          EVEN=(n_rows % block_n == 0) and (n_blocks * values) % 256 == 0,
                           num_warps=warps)
     return out

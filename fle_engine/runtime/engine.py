@@ -194,7 +194,7 @@ class Engine:
 
             self.prefill = Prefill(self, ubatch)
         self._rings()
-        if self.cuda and graphs:
+        if self.cuda and graphs and self.fast:      # the reference operations synchronise: they run eagerly
             self._capture()
         self.load_seconds = time.perf_counter() - t0
         self._last_profile_save = time.monotonic()
