@@ -43,6 +43,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-kernels", default="auto", choices=("auto", "ggml", "numba", "reference"),
                    help="engine: CPU expert kernels for the CPU's misses; auto (default): ggml's (from "
                         "llama-cpp-python) when present, else FLE's numba kernels")
+    p.add_argument("--ubatch", "-ub", type=int, default=4096, metavar="N",
+                   help="engine: prompts of at least --prefill-min tokens are processed N tokens at a time, each "
+                        "layer's uncached experts streamed to the GPU once per micro-batch (default 4096; larger "
+                        "micro-batches stream less per token; 0: prompts run as decode steps)")
+    p.add_argument("--prefill-min", type=int, default=32, metavar="N",
+                   help="engine: shorter prompts run as decode steps (default 32)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--mtp", action="store_true",
                    help="speculative decoding with the model's MTP head (inside the model file, or --mtp-head): "
@@ -276,13 +282,16 @@ def _generate_engine(args, tok, prompt, sampler) -> int:
         raise FleError(f"--ctx-size must be 0 (the model's own) or a number of tokens, got {ctx}")
     with Engine(args.model, device="cuda", cache_budget=args.cache_budget, ctx_size=ctx,
                 cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                profile_path=args.cache_profile, miss_split=args.miss_split, cpu_impl=args.cpu_kernels) as eng:
+                profile_path=args.cache_profile, miss_split=args.miss_split, cpu_impl=args.cpu_kernels,
+                ubatch=args.ubatch, prefill_min=args.prefill_min) as eng:
         n_predict = min(args.n_predict, eng.ctx_size - len(prompt))
         n, stopped = _print_tokens(eng.tokens(prompt, n_predict, stop=tok.eog_ids,
                                               sampler=None if args.temp <= 0 else sampler), tok, args.special)
         why = "end of generation" if stopped else f"{n_predict} tokens"
         print(f"[prompt {len(prompt)} tokens, generated {n} tokens ({why})]", file=sys.stderr)
         print(eng.stats.summary(eng.cache), file=sys.stderr)
+        if eng.prefill is not None and eng.prefill.stats.tokens:
+            print(eng.prefill.stats.line(), file=sys.stderr)
         if args.stats_json:
             eng.save_stats(args.stats_json, force=True)
     return 0
@@ -297,7 +306,8 @@ def _serve(args) -> int:
     if device == "cuda" and use_engine(args.model, args):
         runtime = dict(cache_budget=args.cache_budget, cache_type_k=args.cache_type_k,
                        cache_type_v=args.cache_type_v, profile_path=args.cache_profile,
-                       miss_split=args.miss_split, cpu_impl=args.cpu_kernels)
+                       miss_split=args.miss_split, cpu_impl=args.cpu_kernels, ubatch=args.ubatch,
+                       prefill_min=args.prefill_min)
     return serve(args.model, host=args.host, port=args.port, ctx_size=args.ctx_size, device=device,
                  threads=args.threads, mtp=args.mtp, mtp_head=args.mtp_head, n_draft=args.draft_max,
                  alias=args.alias, runtime=runtime, n_parallel=args.parallel, cache_ram=args.cache_ram,
