@@ -148,8 +148,15 @@ def build_llama_bench(src: Path, work: Path, arch: str = "90") -> Path:
 def upstream_decode(exe: Path, model: Path, n_cpu_moe: int, n_gen: int, threads: int, reps: int) -> float:
     """Upstream's decode tok/s; a run that fails (e.g. a graph that cannot load the file) raises
     :class:`UpstreamFailed` with the last lines of its output."""
-    cmd = [str(exe), "-m", str(model), "-ngl", "99", "-ncmoe", str(n_cpu_moe), "-t", str(threads), "-p", "0",
-           "-n", str(n_gen), "-r", str(reps), "-lm", "none", "-o", "json"]
+    rows = _llama_bench(exe, model, n_cpu_moe, threads, reps, ["-p", "0", "-n", str(n_gen)], "could not load")
+    return float(rows[0]["avg_ts"])
+
+
+def _llama_bench(exe: Path, model: Path, n_cpu_moe: int, threads: int, reps: int, extra: list[str],
+                 failed: str) -> list[dict]:
+    """The JSON rows of one llama-bench run (-ngl 99, -ncmoe, -lm none)."""
+    cmd = [str(exe), "-m", str(model), "-ngl", "99", "-ncmoe", str(n_cpu_moe), "-t", str(threads), *extra,
+           "-r", str(reps), "-lm", "none", "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     try:
         rows = json.loads(out.stdout) if out.returncode == 0 else None
@@ -157,8 +164,8 @@ def upstream_decode(exe: Path, model: Path, n_cpu_moe: int, n_gen: int, threads:
         rows = None
     if not rows:
         tail = " | ".join((out.stderr or out.stdout or "").strip().splitlines()[-3:])
-        raise UpstreamFailed(f"upstream could not load {model.name} (exit {out.returncode}): {tail}")
-    return float(rows[0]["avg_ts"])
+        raise UpstreamFailed(f"upstream {failed} {model.name} (exit {out.returncode}): {tail}")
+    return rows
 
 
 class UpstreamFailed(RuntimeError):
@@ -170,17 +177,9 @@ def upstream_prefill(exe: Path, model: Path, n_cpu_moe: int, prompts: list[int],
     """Upstream's prompt processing tok/s per (prompt length, micro-batch),
     flash attention on (its faster prefill), the logical batch as large as
     the largest prompt so that ``-ub`` takes effect."""
-    cmd = [str(exe), "-m", str(model), "-ngl", "99", "-ncmoe", str(n_cpu_moe), "-t", str(threads),
-           "-p", ",".join(map(str, prompts)), "-n", "0", "-b", str(max(prompts + ubatches)),
-           "-ub", ",".join(map(str, ubatches)), "-fa", "1", "-r", str(reps), "-lm", "none", "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    try:
-        rows = json.loads(out.stdout) if out.returncode == 0 else None
-    except json.JSONDecodeError:
-        rows = None
-    if not rows:
-        tail = " | ".join((out.stderr or out.stdout or "").strip().splitlines()[-3:])
-        raise UpstreamFailed(f"upstream prefill failed on {model.name} (exit {out.returncode}): {tail}")
+    rows = _llama_bench(exe, model, n_cpu_moe, threads, reps,
+                        ["-p", ",".join(map(str, prompts)), "-n", "0", "-b", str(max(prompts + ubatches)),
+                         "-ub", ",".join(map(str, ubatches)), "-fa", "1"], "prefill failed on")
     return [{"n_prompt": int(r["n_prompt"]), "n_ubatch": int(r["n_ubatch"]), "tok_s": float(r["avg_ts"])}
             for r in rows]
 

@@ -17,11 +17,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))          # bench/engine.py's helpers
 
 
 def main(argv=None) -> int:
     import torch
 
+    from engine import pinned_copy_bps
     from fle_engine.kernels import engine_ops, triton_dequant
     from fle_engine.runtime.prefill import grouped_mm, sort_by_expert
     from fle_quant.ggml_types import GGMLType
@@ -48,15 +50,7 @@ def main(argv=None) -> int:
     base_dn = base_gu + gu1.size // w
     w_gu = torch.empty(E, 2 * F, D, dtype=torch.bfloat16, device=dev)
     w_dn = torch.empty(E, D, F, dtype=torch.bfloat16, device=dev)
-    src = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
-    dst = torch.empty_like(src, device=dev)
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    pinned = 5 * src.numel() / (time.perf_counter() - t0)
+    pinned = pinned_copy_bps(256)
     copy_ms = E * eb * 2 / 3 / pinned * 1e3
     print(f"{E} experts x {eb / 1e6:.2f} MB {args.type}; pinned copy {pinned / 1e9:.1f} GB/s: the layer's uncached "
           f"2/3 take {copy_ms:.2f} ms to copy")
