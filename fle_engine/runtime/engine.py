@@ -41,6 +41,7 @@ from ..layers import rope_table
 from ..loader import Weights
 from . import qwen3moe, qwen3next, qwen4exp
 from .cache import ExpertCache
+from .prefill import Prefill, prefill_bytes
 from .split import SHARE_ONE, MissSplit, cpu_experts, parse_split
 from .split import cpu_threads as split_threads
 from .weights import HostExperts
@@ -168,10 +169,13 @@ class Engine:
         profile = self._load_profile()
         budget = parse_budget(cache_budget)
         total_experts = sum(lay.expert_bytes for lay in self.net.layouts.values()) * a.n_expert
+        prefill_on = bool(getattr(self.net, "supports_prefill", False) and ubatch > 0)
+        self.prefill_bytes = prefill_bytes(self.net, ubatch) if prefill_on else 0
         if budget is None:
             if self.cuda:
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = max(0, free - (1 << 30) - (256 << 20))   # keep 1.25 GiB for graphs and the allocator
+                # keep 1.25 GiB for graphs and the allocator, and room for prefill's buffers (its staging is lent)
+                budget = max(0, free - (1 << 30) - (256 << 20) - self.prefill_bytes)
             else:
                 budget = total_experts
         budget = min(budget, total_experts)
@@ -189,9 +193,7 @@ class Engine:
         self.length = 0
         self.prefill = None
         self.prefill_min = int(prefill_min)
-        if getattr(self.net, "supports_prefill", False) and ubatch > 0:
-            from .prefill import Prefill
-
+        if prefill_on:
             self.prefill = Prefill(self, ubatch)
         self._rings()
         if self.cuda and graphs and self.fast:      # the reference operations synchronise: they run eagerly
@@ -383,7 +385,8 @@ class Engine:
 
     def memory_report(self) -> dict:
         rep = {"dense_weights": self.net.dense_bytes, "kv_cache": self.kv_bytes, "expert_slots": self.cache.nbytes,
-               "expert_budget_used": self.cache.budget_used, "host_experts": self.host.nbytes}
+               "expert_budget_used": self.cache.budget_used, "host_experts": self.host.nbytes,
+               "prefill_buffers": self.prefill_bytes}
         if self.cuda:
             rep["allocated"] = torch.cuda.memory_allocated(self.device)
             rep["reserved"] = torch.cuda.memory_reserved(self.device)
@@ -402,6 +405,8 @@ class Engine:
                  f"{m['dense_weights'] / gib:.2f} GiB + KV {m['kv_cache'] / gib:.2f} GiB"
                  + (f" = {m['allocated'] / gib:.2f} GiB allocated on the GPU ({m['reserved'] / gib:.2f} reserved)"
                     if self.cuda else "")
+                 + (f"; prefill buffers up to {m['prefill_buffers'] / gib:.2f} GiB while a prompt is prefilled"
+                    if m["prefill_buffers"] else "")
                  + f"; host experts {m['host_experts'] / gib:.2f} GiB "
                    f"{'page-locked' if self.host.pinned else 'in process memory'}; "
                  + (("CUDA graph" if len(self._graphs) == 1 else f"CUDA graph ({len(self._graphs)} length buckets)")

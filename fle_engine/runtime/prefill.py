@@ -43,7 +43,7 @@ from torch import Tensor
 from ..kernels import engine_ops
 from .weights import FLOAT_TYPES, _align
 
-__all__ = ["sort_by_expert", "grouped_mm", "Prefill", "PrefillStats", "Staging", "dense_rows"]
+__all__ = ["sort_by_expert", "grouped_mm", "Prefill", "PrefillStats", "Staging", "dense_rows", "prefill_bytes"]
 
 
 def sort_by_expert(ids: Tensor, n_expert: int) -> tuple[Tensor, Tensor]:
@@ -103,6 +103,23 @@ def dense_rows(m, x: Tensor, out: Tensor, ops, dtype=torch.float32) -> Tensor:
     xs = x if cols is None else x[:, cols]
     out.copy_(torch.matmul(xs.to(dtype), w[0].T))
     return out
+
+
+def prefill_bytes(net, ubatch: int) -> int:
+    """GPU bytes that a prefill of ``ubatch``-token micro-batches allocates
+    for the time it runs, besides the staging ring it borrows from the
+    cache: one layer's experts decoded in bfloat16, and the micro-batch's
+    activations (expert rows in and out, the gate+up product, the
+    residual stream and its norm)."""
+    a = net.args
+    lays = list(net.layouts.values())
+    if not lays:
+        return 0
+    f = max(l.n_ff for l in lays)
+    d, k, t = a.n_embd, a.n_expert_used, int(ubatch)
+    experts = a.n_expert * 3 * f * d * 2
+    rows = t * k * (d * 2 + 2 * f * 4 + f * 2 + d * 4 * 2)
+    return experts + rows + t * d * 4 * 4
 
 
 @dataclass
