@@ -213,8 +213,32 @@ def test_prefill_lends_from_the_cache(model_file):
     small.close()
 
 
-def test_prefill_off_for_recurrent_architectures(tmp_path):
+def test_qwen3next_prefill_equals_decode_steps(tmp_path):
+    """GDN layers (the recurrence token by token inside the prefill, the
+    projections batched), gated attention with partial rotary, the gated
+    shared expert: a 24-token prompt in micro-batches of 10 gives the
+    logits and greedy tokens of decode steps, and a second prompt starts
+    from a clean recurrent state."""
     path = make_model(tmp_path / "n.gguf", "qwen3next", seed=4, mix="release", routing_skew=1.0)
+    prompt = [int(t) for t in np.random.default_rng(7).integers(1, 200, 24)]
+    steps = _engine(path, 2, ubatch=0)
+    steps.generate(prompt, 1)
+    want_logits = steps.state.bufs.logits[0].cpu().clone()
+    want = steps.generate(prompt, 12)
+    want2 = steps.generate(prompt[::-1], 6)
+    steps.close()
+    eng = _engine(path, 2, ubatch=10)
+    assert eng.prefill is not None
+    eng.generate(prompt, 1)
+    assert eng.prefill.stats.ubatches == 3
+    assert _logits_kld(want_logits, eng.state.bufs.logits[0].cpu()) < 1e-9
+    assert eng.generate(prompt, 12) == want
+    assert eng.generate(prompt[::-1], 6) == want2
+    eng.close()
+
+
+def test_prefill_off_for_qwen4exp(tmp_path):
+    path = make_model(tmp_path / "q.gguf", "qwen4exp", seed=4, mix="release", routing_skew=1.0)
     eng = Engine(path, device=DEVICE, cache_budget="auto", ctx_size=64, profile_path="none", progress=False,
                  log=lambda m: None, prefill_min=1)
     assert eng.prefill is None
@@ -242,3 +266,34 @@ def test_iq4_words_are_the_code_book():
 
     vals = [(((w & 0xFFFFFFFF) >> (8 * j)) & 0xFF) for w in IQ4_WORDS for j in range(4)]
     assert [v - 256 if v >= 128 else v for v in vals] == [int(v) for v in tables.KVALUES_IQ4NL]
+
+
+def test_prefill_failure_falls_back_to_decode_steps(model_file, monkeypatch):
+    """A prefill that fails on the GPU (out of memory) gives the slots back,
+    says so in one line and runs the prompt as decode steps; on the CPU the
+    error is raised."""
+    prompt = [int(t) for t in np.random.default_rng(5).integers(1, 200, 40)]
+    eng = _engine(model_file, 8)
+    eng.generate(prompt, 4)                       # experts in their slots
+    held = eng.cache.slots.cpu().clone()
+
+    def boom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+    monkeypatch.setattr(eng.prefill, "_moe", boom)
+    logs = []
+    eng.log = logs.append
+    if not CUDA:
+        with pytest.raises(torch.OutOfMemoryError):
+            eng.generate(prompt, 4)
+        assert not logs
+    else:
+        want = _engine(model_file, 8, ubatch=0).generate(prompt, 4)
+        assert eng.generate(prompt, 4) == want
+        assert eng.prefill is None and any("prefill failed" in m for m in logs)
+    for i, l in enumerate(eng.cache.layers):
+        for s, e in enumerate(eng.cache.expert_in[i].tolist()):
+            if e >= 0:
+                eb = eng.cache.layouts[l].expert_bytes
+                o = eng.cache.region[l] + s * eb
+                assert eng.cache.slots.cpu()[o:o + eb].equal(held[o:o + eb])
+    eng.close()

@@ -507,8 +507,8 @@ class Engine:
         t_prompt_end = None
         n_out = 0
         try:
-            if self._use_prefill(prompt):
-                first = self._prefill_prompt(prompt)
+            first = self._prefill_prompt(prompt) if self._use_prefill(prompt) else None
+            if first is not None:
                 t_prompt_end = time.perf_counter()
                 n_out = 1
                 self.length = len(prompt) + 1
@@ -547,10 +547,24 @@ class Engine:
     def _use_prefill(self, prompt) -> bool:
         return self.prefill is not None and len(prompt) >= self.prefill_min
 
-    def _prefill_prompt(self, prompt) -> int:
+    def _prefill_prompt(self, prompt) -> "int | None":
         """The prompt in micro-batches (runtime.prefill); the steps that
-        follow continue from its end. Returns the greedy next token."""
-        self.prefill.run(prompt, 0)
+        follow continue from its end. Returns the greedy next token, or None
+        when the GPU ran out of memory or failed: prefill is then off for
+        this engine, the sequence is reset and the prompt runs as decode
+        steps (said in one line)."""
+        try:
+            self.prefill.run(prompt, 0)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not self.cuda:
+                raise
+            self.log(f"fle-engine: prefill failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); prompts "
+                     f"run as decode steps from now on (a smaller -ub needs less memory)")
+            self.prefill = None
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            self.reset()
+            return None
         self.launched = self.consumed = len(prompt)
         return int(self.state.tok[0])
 
@@ -560,8 +574,7 @@ class Engine:
         n_out = 0
         tok = prompt[0]
         try:
-            if self._use_prefill(prompt):
-                self._prefill_prompt(prompt)
+            if self._use_prefill(prompt) and self._prefill_prompt(prompt) is not None:
                 t1 = time.perf_counter()
                 tok = int(sampler(self.state.bufs.logits[0].float().cpu().numpy()))
                 n_out = 1

@@ -4,9 +4,10 @@ into GPU staging memory while the layer before computes.
 
 Per micro-batch and layer:
 
-1. the mixer (attention) over the batch's tokens, through the
-   architecture's ``prefill_mixer`` (dense matrices decoded once, then one
-   product each; attention over the cache and the batch);
+1. the mixer over the batch's tokens, through the architecture's
+   ``prefill_mixer`` (dense matrices decoded once, then one product each;
+   attention over the cache and the batch; a GDN layer's recurrence token
+   by token with the decode step's kernel);
 2. the router and top-K for every token, the (token, expert) rows sorted
    by expert (:func:`sort_by_expert`, on the device, no host
    synchronisation);
@@ -302,45 +303,49 @@ class Prefill:
             issue_copy(g)
         g = 0
         pos = int(pos0)
-        with torch.inference_mode():
-            for chunk in chunks:
-                T = len(chunk)
-                tok = torch.tensor(chunk, dtype=torch.int64, device=dev)
-                x = net.prefill_embed(tok, ops)
-                xn = torch.empty_like(x)
-                ops.add_rmsnorm(x, None, net.layers[0].attn_norm, a.eps, xn)
-                buf = _Buffers(a, T, dev)
-                for il in layers:
-                    L = net.layers[il]
-                    net.prefill_mixer(L, il, xn, buf.attn_out, pos, st, ops)
-                    ops.add_rmsnorm(x, buf.attn_out.view(T, 1, -1), L.ffn_norm, a.eps, xn)
-                    j = g % self.depth
-                    if cuda:
-                        wait0 = torch.cuda.Event(enable_timing=True)
-                        wait0.record(main)
-                        main.wait_event(copy_ev[g])
-                        waits.append((wait0, copy_ev[g]))
-                    self._moe(L.moe, il, j, xn, buf, stg, ops)
-                    if cuda:
-                        ev = torch.cuda.Event()
-                        ev.record(main)
-                        done_ev.append(ev)
-                    else:
-                        done_ev.append(None)
-                    if g + self.depth < n_glob:
-                        issue_copy(g + self.depth)
-                    nxt = net.layers[il + 1].attn_norm if il + 1 < a.n_layer else net.output_norm
-                    ops.add_rmsnorm(x, net.prefill_parts(L.moe, buf), nxt, a.eps, xn)
-                    g += 1
-                pos += T
-                stats.ubatches += 1
-            b = st.bufs
-            net.output.matvec(xn[-1:].contiguous(), b.logits, net.impl(st))
-            torch.argmax(b.logits, dim=-1, out=st.tok)
-            st.pos.fill_(pos)
+        try:
+            with torch.inference_mode():
+                for chunk in chunks:
+                    T = len(chunk)
+                    tok = torch.tensor(chunk, dtype=torch.int64, device=dev)
+                    x = net.prefill_embed(tok, ops)
+                    xn = torch.empty_like(x)
+                    ops.add_rmsnorm(x, None, net.layers[0].attn_norm, a.eps, xn)
+                    buf = _Buffers(a, T, dev)
+                    for il in layers:
+                        L = net.layers[il]
+                        net.prefill_mixer(L, il, xn, buf.attn_out, pos, st, ops)
+                        ops.add_rmsnorm(x, buf.attn_out.view(T, 1, -1), L.ffn_norm, a.eps, xn)
+                        j = g % self.depth
+                        if cuda:
+                            wait0 = torch.cuda.Event(enable_timing=True)
+                            wait0.record(main)
+                            main.wait_event(copy_ev[g])
+                            waits.append((wait0, copy_ev[g]))
+                        self._moe(L.moe, il, j, xn, buf, stg, ops)
+                        if cuda:
+                            ev = torch.cuda.Event()
+                            ev.record(main)
+                            done_ev.append(ev)
+                        else:
+                            done_ev.append(None)
+                        if g + self.depth < n_glob:
+                            issue_copy(g + self.depth)
+                        nxt = net.layers[il + 1].attn_norm if il + 1 < a.n_layer else net.output_norm
+                        ops.add_rmsnorm(x, net.prefill_parts(L.moe, buf), nxt, a.eps, xn)
+                        g += 1
+                    pos += T
+                    stats.ubatches += 1
+                b = st.bufs
+                net.output.matvec(xn[-1:].contiguous(), b.logits, net.impl(st))
+                torch.argmax(b.logits, dim=-1, out=st.tok)
+                st.pos.fill_(pos)
+        finally:                               # the lent slots come back even when a micro-batch fails
+            if cuda:
+                main.wait_stream(copy)
             stg.give_back()
-        stats.scratch_bytes = sum(t.numel() * t.element_size() for t in self._scratch.values())
-        self._scratch = {}
+            stats.scratch_bytes = sum(t.numel() * t.element_size() for t in self._scratch.values())
+            self._scratch = {}
         if cuda:
             torch.cuda.synchronize(dev)
             # compute waiting for copies: from the point the layer could start to the copy's end
@@ -376,7 +381,7 @@ class Prefill:
         yd = grouped_mm(act if c_dn is None else act[:, c_dn], w_dn, ends).float()
         buf.y[order] = yd * w.reshape(-1)[order][:, None]
         if m.shared is not None:
-            self.eng.net.prefill_shared(m, xn, buf, ops)
+            self.eng.net.prefill_shared(m, xn, buf, ops, dt)
 
 
 class _Buffers:

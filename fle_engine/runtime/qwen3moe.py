@@ -388,9 +388,29 @@ class Net:
             o = o * torch.sigmoid(qkv[:, nq + 2 * nkv:2 * nq + 2 * nkv])
         dense_rows(at.wo, o.contiguous(), out, ops, state.prefill_dtype)
 
+    def prefill_shared(self, m: Moe, xn: Tensor, buf, ops, dtype) -> None:
+        """The shared expert of T tokens (gated when the layer has a gate) -> buf.shared [T, D]."""
+        from .prefill import dense_rows
+
+        g, u, d = m.shared
+        T = xn.shape[0]
+        f32 = dict(dtype=torch.float32, device=xn.device)
+        sg, su = torch.empty(T, g.n_out, **f32), torch.empty(T, u.n_out, **f32)
+        dense_rows(g, xn, sg, ops, dtype)
+        dense_rows(u, xn, su, ops, dtype)
+        ys = torch.empty(T, self.args.n_embd, **f32)
+        dense_rows(d, (F.silu(sg) * su).contiguous(), ys, ops, dtype)
+        if m.shared_gate is not None:
+            ys.mul_(torch.sigmoid(xn @ m.shared_gate.T))
+        buf.shared = ys
+
     def prefill_parts(self, m: Moe, buf) -> Tensor:
-        """The parts that the layer's MoE wrote for T tokens: [T, K, D]."""
-        return buf.y.view(buf.T, self.args.n_expert_used, self.args.n_embd)
+        """The parts that the layer's MoE wrote for T tokens: [T, K (+1), D],
+        the routed experts (then the shared one), in the decode step's order."""
+        y = buf.y.view(buf.T, self.args.n_expert_used, self.args.n_embd)
+        if m.shared is None:
+            return y
+        return torch.cat([y, buf.shared[:, None]], 1)
 
     # the verify step: T tokens in one pass -------------------------------------------
     def multi_unsupported(self) -> "str | None":

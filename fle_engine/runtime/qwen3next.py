@@ -45,7 +45,7 @@ class GDN:
 
 class Net(qwen3moe.Net):
     Args = ModelArgs
-    supports_prefill = False    # the GDN layers have no many-token form yet: prompts run as decode steps
+    supports_prefill = True
     # GDN variants: the output gate's activation, and which K head a V head
     # reads (grouped: j // (Hv / Hk); tiled: j mod Hk)
     gdn_sigmoid = False       # output gate silu(z) (sigmoid(z): qwen4exp)
@@ -145,3 +145,38 @@ class Net(qwen3moe.Net):
             self.gdn(L.mixer, il, state, ops)
         else:
             self.attention(L.mixer, il, state, ops)
+
+    # prefill (runtime.prefill) ----------------------------------------------------------
+    def prefill_mixer(self, L: qwen3moe.Layer, il: int, xn: Tensor, out: Tensor, pos0: int, state, ops) -> None:
+        if isinstance(L.mixer, GDN):
+            self.prefill_gdn(L.mixer, il, xn, out, state, ops)
+        else:
+            self.prefill_attention(L.mixer, il, xn, out, pos0, state, ops)
+
+    def prefill_gdn(self, m: GDN, il: int, xn: Tensor, out: Tensor, state, ops) -> None:
+        """T tokens of a GDN layer: the projections for all of them at once,
+        then the recurrence token by token with the decode step's own
+        ``gdn_step`` (the state advances exactly as T decode steps advance
+        it), then the output projection for all."""
+        from .prefill import dense_rows
+
+        a, dt = self.args, state.prefill_dtype
+        T = xn.shape[0]
+        c, nz, nv = a.conv_dim, a.n_v_heads * a.d_state, a.n_v_heads
+        proj = torch.empty(T, c + nz + 2 * nv, dtype=torch.float32, device=xn.device)
+        if m.proj is not None:
+            dense_rows(m.proj, xn, proj, ops, dt)
+        else:
+            off = 0
+            for mat in (m.qkv, m.z, m.b, m.a):
+                dense_rows(mat, xn, proj[:, off:off + mat.n_out], ops, dt)
+                off += mat.n_out
+        conv_state, ssm = state.kv[il]
+        go = torch.empty(T, nz, dtype=torch.float32, device=xn.device)
+        conv_out = torch.empty(c, dtype=torch.float32, device=xn.device)
+        for t in range(T):
+            row = proj[t]
+            ops.gdn_step(row[:c], row[c:c + nz], row[c + nz:c + nz + nv], row[c + nz + nv:], conv_state, m.conv,
+                         m.dt_bias, m.ssm_a, ssm, m.norm, a.eps, a.n_k_heads, self.gdn_tiled, self.gdn_sigmoid,
+                         conv_out, go[t])
+        dense_rows(m.out, go, out, ops, dt)

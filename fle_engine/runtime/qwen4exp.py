@@ -134,6 +134,7 @@ class HostTable(W.PageLocked):
 
 class Net(qwen3next.Net):
     Args = ModelArgs
+    supports_prefill = False    # hyper-connections, PLE and the QSA indexer have no many-token form yet
     gdn_sigmoid = True
     gdn_tiled = True            # V head j reads K head j mod Hk (the converter's order)
 
