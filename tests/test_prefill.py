@@ -179,7 +179,7 @@ def test_prefill_equals_decode_steps(model_file, slots):
     assert _logits_kld(want_logits, got_logits) < 1e-9
     got = eng.generate(prompt, 24)
     assert got_first == want[:1] and got == want
-    assert eng.stats.prompt_tokens == 80
+    assert eng.stats.prompt_tokens == 41 and eng.cached_tokens == 39      # the second call kept the prompt
     # the slots that hold experts are as before a prefill (the lent ones copied back)
     before = eng.cache.slots.cpu().clone()
     eng.prefill.run(prompt[:20], 0)
@@ -297,3 +297,55 @@ def test_prefill_failure_falls_back_to_decode_steps(model_file, monkeypatch):
                 o = eng.cache.region[l] + s * eb
                 assert eng.cache.slots.cpu()[o:o + eb].equal(held[o:o + eb])
     eng.close()
+
+
+# ---------------------------------------------------------------------------
+# the sequence kept between prompts (llama-server's cache_prompt)
+
+
+def test_prompt_prefix_kept_qwen3moe(model_file):
+    """A prompt that shares a prefix with the last sequence computes only the
+    rest (positional state: any prefix), with the tokens and logits of a
+    fresh start; cache_prompt=False starts fresh."""
+    rng = np.random.default_rng(8)
+    a = [int(t) for t in rng.integers(1, 200, 40)]
+    b = a[:25] + [int(t) for t in rng.integers(1, 200, 20)]
+    eng = _engine(model_file, 2)
+    eng.generate(a, 6)
+    got = eng.generate(b, 10)
+    assert eng.cached_tokens == 25
+    logits = eng.state.bufs.logits[0].cpu().clone()
+    fresh = eng.generate(b, 10, cache_prompt=False)
+    assert eng.cached_tokens == 0 and got == fresh
+    # the same prompt again: all but its last token kept
+    again = eng.generate(b, 10)
+    assert eng.cached_tokens == len(b) - 1 and again == fresh
+    ref = _engine(model_file, 2)
+    assert ref.generate(b, 10) == fresh
+    eng.close()
+    ref.close()
+    assert logits.shape[0] == eng.args.n_vocab
+
+
+def test_prompt_extension_kept_qwen3next(tmp_path):
+    """Recurrent state: a prompt that extends the last sequence (its prompt
+    and all but the last generated token, as a chat's next turn) computes
+    only the new tokens and answers as a fresh start; a prompt that
+    departs from it starts fresh."""
+    path = make_model(tmp_path / "n.gguf", "qwen3next", seed=4, mix="release", routing_skew=1.0)
+    rng = np.random.default_rng(9)
+    a = [int(t) for t in rng.integers(1, 200, 36)]
+    eng = _engine(path, 2, ubatch=16)
+    out = eng.generate(a, 8)
+    assert eng.history == a + out[:-1]
+    b = a + out[:-1] + [int(t) for t in rng.integers(1, 200, 40)]
+    got = eng.generate(b, 8)
+    assert eng.cached_tokens == len(a) + len(out) - 1
+    ref = _engine(path, 2, ubatch=16)
+    assert got == ref.generate(b, 8)
+    c = b[:30] + [5, 6, 7]
+    eng.generate(c, 4)
+    assert eng.cached_tokens == 0
+    assert eng.generate(c, 4) == ref.generate(c, 4)
+    eng.close()
+    ref.close()

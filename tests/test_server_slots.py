@@ -438,3 +438,35 @@ def test_n_is_bounded_by_the_slots_and_native_answers_an_array(factory):
     assert arr[0]["content"] == arr[1]["content"] and arr[0]["tokens_predicted"] == 5
     assert {a["id_slot"] for a in arr} == {0, 1}
     assert health == 200
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_follow_up_turn_on_the_gpu_engine_path(tmp_path, arch):
+    """The server on the engine runtime (its CPU form here): a follow-up
+    turn keeps the sequence the engine holds and computes only the new
+    tokens (cache_n, prompt_n as llama-server reports them), answering as a
+    cold run; cache_prompt false recomputes everything."""
+    from fle_engine.runtime import Engine as Runtime
+
+    p = make_model(tmp_path / f"{arch}.gguf", arch, mix="release", seed=5)
+    tok = Tokenizer.from_gguf(p)
+    rt = Runtime(p, device="cpu", cache_budget="auto", ctx_size=512, cache_type_k="f32", cache_type_v="f32",
+                 profile_path="none", progress=False, log=lambda m: None, prefill_min=8)
+    eng = Engine(rt, tok, n_ctx=512, name="t", n_parallel=1)
+    first = [10 + (i * 7919) % 400 for i in range(60)]
+
+    async def fn(client):
+        r1 = await (await client.post("/completion", json={"prompt": first, "n_predict": 5, "temperature": 0,
+                                                           "ignore_eos": True, "return_tokens": True})).json()
+        follow = first + r1["tokens"][:-1] + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+        r2 = await (await client.post("/completion", json={"prompt": follow, "n_predict": 5, "temperature": 0,
+                                                           "ignore_eos": True})).json()
+        r3 = await (await client.post("/completion", json={"prompt": follow, "n_predict": 5, "temperature": 0,
+                                                           "ignore_eos": True, "cache_prompt": False})).json()
+        return r1, follow, r2, r3
+
+    r1, follow, r2, r3 = call(eng, fn)
+    assert r1["timings"]["cache_n"] == 0
+    assert r2["timings"]["cache_n"] == len(first) + 4 and r2["timings"]["prompt_n"] == 10
+    assert r3["timings"]["cache_n"] == 0 and r3["content"] == r2["content"]
+    rt.close()

@@ -191,6 +191,9 @@ class Engine:
         # cached experts used per step, for the hit rate over time (the last 2^20 steps: bounded in a server)
         self.step_hits = deque(maxlen=1 << 20)
         self.length = 0
+        self.history: list = []          # the tokens whose effect the state holds, position by position
+        self._prefill_out: dict = {}
+        self.cached_tokens = 0           # the last prompt's leading tokens kept from the sequence before it
         self.prefill = None
         self.prefill_min = int(prefill_min)
         if prefill_on:
@@ -425,6 +428,8 @@ class Engine:
                 ev.synchronize()
             self._tok_in[i] = token
             st.tok.copy_(self._tok_in[i:i + 1], non_blocking=True)
+        # None: the previous step's output, filled in when that step is read (a prefill's is known already)
+        self.history.append(token if token is not None else self._prefill_out.pop(self.launched - 1, None))
         v = self.net.variant_for(self.launched, self.ctx_size)      # the step's position: steps since reset
         if self._graph is not None:
             self._graphs[v].replay()
@@ -447,6 +452,14 @@ class Engine:
         self.stats.launch_seconds += time.perf_counter() - t0
 
     def _consume(self) -> int:
+        step = self.consumed
+        tok = self._consume_ring()
+        h = self.history
+        if step + 1 < len(h) and h[step + 1] is None:
+            h[step + 1] = tok
+        return tok
+
+    def _consume_ring(self) -> int:
         i = self.consumed % _RING
         if self.cuda:
             self._ring_ev[i].synchronize()
@@ -466,27 +479,59 @@ class Engine:
         self.net.reset(self.state)
         self.launched = self.consumed = 0
         self.length = 0
+        self.history = []
+        self._prefill_out = {}
+
+    def _reuse(self, prompt: list[int]) -> int:
+        """How many leading tokens of ``prompt`` the sequence in the state
+        already holds (llama-server's cache_prompt): with only positional
+        state (qwen3moe: the KV cache) the longest common prefix with the
+        tokens processed, at most all but the prompt's last token; with
+        recurrent state (GDN, PLE, hyper-connections) the whole of them,
+        when the prompt extends them; else 0."""
+        h = self.history
+        if not h or None in h or self.launched != len(h) or self.consumed != self.launched:
+            return 0
+        n = 0
+        for a, b in zip(h, prompt):
+            if a != b:
+                break
+            n += 1
+        if getattr(self.net, "positional_state", False):
+            return min(n, len(prompt) - 1)
+        return n if n == len(h) and n < len(prompt) else 0
+
+    def _resume(self, start: int) -> None:
+        """Continue the sequence from position ``start`` (its first ``start``
+        tokens kept; later positions are written again)."""
+        self.history = self.history[:start]
+        self.state.pos.fill_(start)
+        self.launched = self.consumed = start
+        self.length = start
 
     def generate(self, prompt: Sequence[int], n_predict: int, stop: "set[int] | None" = None,
                  on_token: "Callable[[int], None] | None" = None, sampler=None,
-                 feed: "Sequence[int] | None" = None) -> list[int]:
+                 feed: "Sequence[int] | None" = None, cache_prompt: bool = True) -> list[int]:
         """The tokens of :meth:`tokens` as a list (``on_token`` is called with each)."""
         out = []
-        for t in self.tokens(prompt, n_predict, stop, sampler=sampler, feed=feed):
+        for t in self.tokens(prompt, n_predict, stop, sampler=sampler, feed=feed, cache_prompt=cache_prompt):
             out.append(t)
             if on_token is not None:
                 on_token(t)
         return out
 
     def tokens(self, prompt: Sequence[int], n_predict: int, stop: "set[int] | None" = None, sampler=None,
-               feed: "Sequence[int] | None" = None) -> Iterator[int]:
-        """Process ``prompt`` (one token per step) and yield up to
-        ``n_predict`` generated tokens, stopping after one in ``stop``, or at
-        the end of the context. Greedy by default, with one step of
-        look-ahead; with ``sampler`` (a :class:`~fle_engine.sampling.Sampler`)
+               feed: "Sequence[int] | None" = None, cache_prompt: bool = True) -> Iterator[int]:
+        """Process ``prompt`` (in micro-batches, or one token per step) and
+        yield up to ``n_predict`` generated tokens, stopping after one in
+        ``stop``, or at the end of the context. Greedy by default, with one
+        step of look-ahead; with ``sampler`` (a :class:`~fle_engine.sampling.Sampler`)
         each step's logits are read on the host and sampled there.
         ``feed``: tokens to feed instead of the generated ones (teacher
-        forcing, as llama-bench feeds random tokens)."""
+        forcing, as llama-bench feeds random tokens). ``cache_prompt``: the
+        leading tokens that the state already holds from the previous
+        sequence are not computed again (:meth:`_reuse`; ``cached_tokens``
+        says how many were kept)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise FleError("generation needs at least one prompt token")
@@ -494,7 +539,12 @@ class Engine:
             raise FleError(f"the prompt has {len(prompt)} tokens; the context holds {self.ctx_size}")
         n_predict = max(0, min(int(n_predict), self.ctx_size - len(prompt)))   # stop at the context's end
         stop = stop or set()
-        self.reset()
+        start = self._reuse(prompt) if cache_prompt else 0
+        if start:
+            self._resume(start)
+        else:
+            self.reset()
+        self.cached_tokens = start
         if n_predict == 0:
             return
         gen = self._sampled(prompt, n_predict, stop, sampler) if sampler is not None else \
@@ -539,13 +589,13 @@ class Engine:
                 self._consume()
             t_end = time.perf_counter()
             t_prompt_end = t_prompt_end or t_end
-            self.stats.prompt_tokens += len(prompt)
+            self.stats.prompt_tokens += len(prompt) - self.cached_tokens
             self.stats.prompt_seconds += t_prompt_end - t_start
             self.stats.gen_tokens += max(0, n_out - 1)
             self.stats.gen_seconds += t_end - t_prompt_end
 
     def _use_prefill(self, prompt) -> bool:
-        return self.prefill is not None and len(prompt) >= self.prefill_min
+        return self.prefill is not None and len(prompt) - self.launched >= self.prefill_min
 
     def _prefill_prompt(self, prompt) -> "int | None":
         """The prompt in micro-batches (runtime.prefill); the steps that
@@ -553,8 +603,9 @@ class Engine:
         when the GPU ran out of memory or failed: prefill is then off for
         this engine, the sequence is reset and the prompt runs as decode
         steps (said in one line)."""
+        start = self.launched
         try:
-            self.prefill.run(prompt, 0)
+            self.prefill.run(prompt[start:], start, keep_history=True)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not self.cuda:
                 raise
@@ -564,15 +615,19 @@ class Engine:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self.reset()
+            self.cached_tokens = 0
             return None
+        self.history.extend(prompt[start:])
         self.launched = self.consumed = len(prompt)
-        return int(self.state.tok[0])
+        first = int(self.state.tok[0])
+        self._prefill_out = {len(prompt) - 1: first}
+        return first
 
     def _sampled(self, prompt, n_predict, stop, sampler) -> Iterator[int]:
         t0 = time.perf_counter()
         t1 = None
         n_out = 0
-        tok = prompt[0]
+        tok = prompt[self.launched]
         try:
             if self._use_prefill(prompt) and self._prefill_prompt(prompt) is not None:
                 t1 = time.perf_counter()
@@ -599,7 +654,7 @@ class Engine:
                     return
         finally:
             t2 = time.perf_counter()
-            self.stats.prompt_tokens += len(prompt)
+            self.stats.prompt_tokens += len(prompt) - self.cached_tokens
             self.stats.prompt_seconds += (t1 or t2) - t0
             self.stats.gen_tokens += max(0, n_out - 1)
             self.stats.gen_seconds += t2 - (t1 or t2)

@@ -252,8 +252,10 @@ class Prefill:
         return t
         self.stats = PrefillStats()
 
-    def run(self, tokens, pos0: int = 0) -> PrefillStats:
+    def run(self, tokens, pos0: int = 0, keep_history: bool = False) -> PrefillStats:
         eng = self.eng
+        if not keep_history:      # called directly (benchmarks): the engine's next prompt starts afresh
+            eng.history = None
         net, st, ops, cache = eng.net, eng.state, eng.ops, eng.cache
         a, dev, cuda = net.args, eng.device, eng.cuda
         t0 = time.perf_counter()

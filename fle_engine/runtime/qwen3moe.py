@@ -62,6 +62,7 @@ class Net:
 
     Args = ModelArgs
     supports_prefill = True     # runtime.prefill can process prompts many tokens at once
+    positional_state = True     # the KV cache alone, by position: a sequence can be cut back to any prefix
 
     def __init__(self, gguf, weights_view, device: torch.device, fast: bool):
         self.args = self.Args.from_weights(weights_view)

@@ -46,6 +46,7 @@ class GDN:
 class Net(qwen3moe.Net):
     Args = ModelArgs
     supports_prefill = True
+    positional_state = False    # GDN state: a sequence can only be extended
     # GDN variants: the output gate's activation, and which K head a V head
     # reads (grouped: j // (Hv / Hk); tiled: j mod Hk)
     gdn_sigmoid = False       # output gate silu(z) (sigmoid(z): qwen4exp)

@@ -464,6 +464,10 @@ class Engine:
                 task.spec = SpecStats()
                 task.gen = generate_speculative(self.model, job.prompt, job.n_predict, task.sampler, stop=stop,
                                                 n_draft=self.n_draft, stats=task.spec)
+            elif self.runtime:      # the GPU engine keeps what its sequence shares with the last one
+                task.gen = self.model.tokens(job.prompt, job.n_predict, stop=stop,
+                                             sampler=None if job.params.temp <= 0 else task.sampler,
+                                             cache_prompt=job.cache_prompt)
             else:
                 task.gen = self.model.tokens(job.prompt, job.n_predict, stop=stop,
                                              sampler=None if job.params.temp <= 0 else task.sampler)
@@ -665,6 +669,8 @@ class Engine:
         t_end = time.perf_counter()
         t_first = t_end if t.t_first is None else t.t_first
         job = t.job
+        if self.runtime:
+            t.n_cached = int(getattr(self.model, "cached_tokens", 0))
         res = Result("".join(t.pieces), reason, len(job.prompt), len(t.out_tokens), cancelled, t.scan.stop_word,
                      prompt_ms=1e3 * (t_first - t.t0), predicted_ms=1e3 * (t_end - t_first),
                      drafted=t.spec.drafted if t.spec else 0, accepted=t.spec.accepted if t.spec else 0,
