@@ -23,6 +23,13 @@ printed. Routing: near-uniform (skew 0) and a skew calibrated so that
 FLE's policy hits 88-93 % at 1/3 of the experts cached (the report's
 91.2 % at 173 of 512 slots); the calibration simulates the policy on the
 file's routing model and prints the curve beside the report's points.
+
+``--prefill 1024,4096,8192`` adds prompt processing on the first routing's
+file: upstream with ``-ub 512`` and ``-ub 4096`` (flash attention on, the
+logical batch as large as the longest prompt), FLE with ``--fle-ubatch``
+micro-batches, the same GPU bytes; the ratio of the bests per length, the
+bytes FLE streamed and the time its compute waited for copies.
+``--no-decode`` skips the decode runs.
 """
 from __future__ import annotations
 
