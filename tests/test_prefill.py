@@ -137,9 +137,10 @@ def _engine(path, slots, ubatch=16, bf16=False, **kw):
     per_layer = sum(l.expert_bytes for l in probe.net.layouts.values()) // probe.args.n_layer
     n_layer = probe.args.n_layer
     probe.close()
-    eng = Engine(path, device=DEVICE, cache_budget=slots * per_layer * n_layer, ctx_size=160, cache_type_k="f32",
-                 cache_type_v="f32", profile_path="none", progress=False, log=lambda m: None, ubatch=ubatch,
-                 prefill_min=1, **kw)
+    kw.setdefault("cache_type_k", "f32")
+    kw.setdefault("cache_type_v", "f32")
+    eng = Engine(path, device=DEVICE, cache_budget=slots * per_layer * n_layer, ctx_size=160, profile_path="none",
+                 progress=False, log=lambda m: None, ubatch=ubatch, prefill_min=1, **kw)
     if eng.prefill is not None:
         eng.prefill.bf16 = bf16              # float32 products: the comparison with decode steps is exact
     return eng
@@ -349,3 +350,27 @@ def test_prompt_extension_kept_qwen3next(tmp_path):
     assert eng.generate(c, 4) == ref.generate(c, 4)
     eng.close()
     ref.close()
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "f16"])
+def test_prefill_with_quantized_and_half_kv(model_file, kv):
+    """With a q8_0 or f16 KV cache the prefill writes what the decode steps
+    write (ggml's q8_0 blocks; f16 values) and ends at their logits."""
+    prompt = [int(t) for t in np.random.default_rng(10).integers(1, 200, 40)]
+    kw = dict(cache_type_k=kv, cache_type_v=kv)
+    steps = _engine(model_file, 2, ubatch=0, **kw)
+    steps.generate(prompt, 1)
+    want = steps.state.bufs.logits[0].cpu().clone()
+    kv_want = [t.clone() for t in (steps.state.kv[0][0].q if kv == "q8_0" else steps.state.kv[0][0],)]
+    steps.close()
+    eng = _engine(model_file, 2, ubatch=16, **kw)
+    eng.generate(prompt, 1)
+    got = eng.state.bufs.logits[0].cpu()
+    kv_got = eng.state.kv[0][0].q if kv == "q8_0" else eng.state.kv[0][0]
+    a, b = kv_got[:, :40].cpu(), kv_want[0][:, :40].cpu()
+    if kv == "q8_0":
+        assert (a.int() - b.int()).abs().max() <= 1          # a float32 ulp may round one value the other way
+    else:
+        assert torch.allclose(a.float(), b.float(), rtol=2e-3, atol=1e-3)      # within an f16 rounding
+    assert _logits_kld(want, got) < 1e-6
+    eng.close()
