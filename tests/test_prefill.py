@@ -374,3 +374,34 @@ def test_prefill_with_quantized_and_half_kv(model_file, kv):
         assert torch.allclose(a.float(), b.float(), rtol=2e-3, atol=1e-3)      # within an f16 rounding
     assert _logits_kld(want, got) < 1e-6
     eng.close()
+
+
+@pytest.mark.parametrize("tiled,sigmoid,T", [(True, True, 5), (False, False, 5), (False, True, 2)])
+def test_gdn_tokens_kernel(fast, tiled, sigmoid, T):
+    """T tokens of the GDN layer in two launches against T single steps of
+    the reference (rows of one projection buffer; T below the conv's taps
+    too)."""
+    torch.manual_seed(T + int(tiled))
+    nk, nv, d, k_taps = 2, 4, 64, 4
+    c, nz = 2 * nk * d + nv * d, nv * d
+    proj = torch.randn(T, c + nz + 2 * nv)
+    proj[:, c + nz + nv:] *= 3
+    init = dict(conv_state=torch.randn(k_taps - 1, c), conv_w=torch.randn(c, k_taps), dt_bias=torch.randn(nv),
+                ssm_a=-torch.rand(nv) * 2, ssm=torch.randn(nv, d, d) * 0.1, norm=torch.rand(d) + 0.5)
+    res = []
+    for side, (ops, dev) in enumerate(((engine_ops.REFERENCE, torch.device("cpu")), (fast, DEVICE))):
+        t = {n: v.clone().to(dev) for n, v in init.items()}
+        p = proj.to(dev)
+        conv_out, out = torch.zeros(T, c, device=dev), torch.zeros(T, nz, device=dev)
+        if side == 0:           # the reference: T single steps
+            for i in range(T):
+                ops.gdn_step(p[i, :c], p[i, c:c + nz], p[i, c + nz:c + nz + nv], p[i, c + nz + nv:], t["conv_state"],
+                             t["conv_w"], t["dt_bias"], t["ssm_a"], t["ssm"], t["norm"], 1e-6, nk, tiled, sigmoid,
+                             conv_out[i], out[i])
+        else:
+            ops.gdn_tokens(p[:, :c], p[:, c:c + nz], p[:, c + nz:c + nz + nv], p[:, c + nz + nv:], t["conv_state"],
+                           t["conv_w"], t["dt_bias"], t["ssm_a"], t["ssm"], t["norm"], 1e-6, nk, tiled, sigmoid,
+                           conv_out, out)
+        res.append([out.cpu(), t["ssm"].cpu(), t["conv_state"].cpu(), conv_out.cpu()])
+    for got, ref in zip(res[1], res[0]):
+        _close(got, ref, 1e-5)

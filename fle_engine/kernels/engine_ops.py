@@ -55,6 +55,8 @@ Signatures (both sides; outputs written in place):
   [G, n_rows, n_in] (bfloat16 or float32), for prefill's products;
   ``tile_order=True``: each chunk's columns in the decoders' tile order
   (:func:`tile_columns` gives the permutation of the other operand)
+- ``gdn_tokens(...)``: ``gdn_step`` for T tokens at once (rows [T, ...] of
+  the same arguments; prefill), the states advanced as T steps advance them
 """
 from __future__ import annotations
 
@@ -339,6 +341,14 @@ def gdn_step_ref(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, conv_state: Tenso
     out.copy_(o.reshape(-1))
 
 
+def gdn_tokens_ref(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, conv_state: Tensor, conv_w: Tensor, dt_bias: Tensor,
+                   ssm_a: Tensor, ssm: Tensor, norm: Tensor, eps: float, n_k: int, tiled: bool, sigmoid_gate: bool,
+                   conv_out: Tensor, out: Tensor) -> None:
+    for t in range(qkv.shape[0]):
+        gdn_step_ref(qkv[t], z[t], b[t], a[t], conv_state, conv_w, dt_bias, ssm_a, ssm, norm, eps, n_k, tiled,
+                     sigmoid_gate, conv_out[t], out[t])
+
+
 def hc_write_norm_ref(res: Tensor, parts: "Tensor | None", inject: "Tensor | None", n_streams: int, weight: Tensor,
                       eps: float, out: Tensor) -> None:
     if parts is not None:
@@ -419,7 +429,7 @@ def _fast():
                            hc_write_norm=te.hc_write_norm, hc_mix=te.hc_mix, gather_rows=te.gather_rows,
                            gdn_step=te.gdn_step, post_misses=te.post_misses, wait_misses=te.wait_misses,
                            experts_union=te.experts_union, qk_rope_kv_multi=te.qk_rope_kv_multi,
-                           attention_multi=te.attention_multi, dequant=_dequant_fast)
+                           attention_multi=te.attention_multi, dequant=_dequant_fast, gdn_tokens=te.gdn_tokens)
 
 
 def _dequant_fast(space: WordSpace, qtype: GGMLType, *args, **kw) -> Tensor:
@@ -433,7 +443,7 @@ REFERENCE = SimpleNamespace(experts=experts_ref, route_topk=route_topk_ref, add_
                             hc_write_norm=hc_write_norm_ref, hc_mix=hc_mix_ref, gather_rows=gather_rows_ref,
                             gdn_step=gdn_step_ref, post_misses=post_misses_ref, wait_misses=wait_misses_ref,
                             experts_union=experts_union_ref, qk_rope_kv_multi=qk_rope_kv_multi_ref,
-                            attention_multi=attention_multi_ref, dequant=dequant_ref)
+                            attention_multi=attention_multi_ref, dequant=dequant_ref, gdn_tokens=gdn_tokens_ref)
 
 # name -> (reference, fast) ; the fast side is filled on first use (it imports triton)
 OPS: dict[str, tuple] = {name: (getattr(REFERENCE, name), None) for name in vars(REFERENCE)}

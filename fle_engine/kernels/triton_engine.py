@@ -53,7 +53,7 @@ from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 
 from .triton_quant import _FORMATS, _decode, _lut, _value_index
 
-__all__ = ["experts", "experts_union", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv",
+__all__ = ["gdn_tokens", "experts", "experts_union", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv",
            "qk_rope_kv_multi", "attention", "attention_multi", "embed_row", "hc_write_norm", "hc_mix", "gather_rows",
            "gdn_step", "ATTN_SPLITS"]
 
@@ -824,11 +824,11 @@ def _gdn_conv_kernel(x_ptr, state_ptr, w_ptr, y_ptr, n_ch, K: tl.constexpr, BLOC
 
 
 @triton.jit
-def _gdn_rule_kernel(conv_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, ssma_ptr, s_ptr, norm_ptr, out_ptr, eps, n_k, ratio,
-                     DK: tl.constexpr, DV: tl.constexpr, TILED: tl.constexpr, SIGMOID: tl.constexpr):
-    j = tl.program_id(0)
-    n_v = n_k * ratio
-    kh = j % n_k if TILED else j // ratio
+def _gdn_token(st, conv_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, ssma_ptr, norm_ptr, out_ptr, j, kh, n_k, eps,
+               DK: tl.constexpr, DV: tl.constexpr, SIGMOID: tl.constexpr):
+    """One token of V head j: the state ``st`` [DV, DK] advanced by the delta
+    rule (q, k of K head kh, v of head j from the conv output), the head's
+    output normed, gated and stored; returns the new state."""
     dk = tl.arange(0, DK)
     dv = tl.arange(0, DV)
     q = tl.load(conv_ptr + kh * DK + dk)
@@ -840,12 +840,10 @@ def _gdn_rule_kernel(conv_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, ssma_ptr, s_ptr, no
     ga = tl.load(a_ptr + j) + tl.load(dtb_ptr + j)
     sp = tl.where(ga > 20.0, ga, tl.log(1.0 + tl.exp(tl.minimum(ga, 20.0))))     # softplus (threshold 20)
     decay = tl.exp(sp * tl.load(ssma_ptr + j))
-    offs = j.to(tl.int64) * DV * DK + dv[:, None] * DK + dk[None, :]
-    st = tl.load(s_ptr + offs) * decay                                   # [DV, DK]
+    st = st * decay                                                      # [DV, DK]
     sk = tl.sum(st * k[None, :], axis=1)
     d = (v - sk) * beta
     st = st + d[:, None] * k[None, :]
-    tl.store(s_ptr + offs, st)
     o = tl.sum(st * q[None, :], axis=1)                                  # [DV]
     o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * tl.load(norm_ptr + dv)
     z = tl.load(z_ptr + j * DV + dv)
@@ -854,6 +852,64 @@ def _gdn_rule_kernel(conv_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, ssma_ptr, s_ptr, no
     else:
         gz = z / (1.0 + tl.exp(-z))
     tl.store(out_ptr + j * DV + dv, o * gz)
+    return st
+
+
+@triton.jit
+def _gdn_rule_kernel(conv_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, ssma_ptr, s_ptr, norm_ptr, out_ptr, eps, n_k, ratio,
+                     DK: tl.constexpr, DV: tl.constexpr, TILED: tl.constexpr, SIGMOID: tl.constexpr):
+    j = tl.program_id(0)
+    kh = j % n_k if TILED else j // ratio
+    offs = j.to(tl.int64) * DV * DK + tl.arange(0, DV)[:, None] * DK + tl.arange(0, DK)[None, :]
+    st = _gdn_token(tl.load(s_ptr + offs), conv_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, ssma_ptr, norm_ptr, out_ptr, j, kh,
+                    n_k, eps, DK, DV, SIGMOID)
+    tl.store(s_ptr + offs, st)
+
+
+@triton.jit
+def _gdn_conv_tokens_kernel(x_ptr, stride_x, state_ptr, w_ptr, y_ptr, n_ch, n_tok, K: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    # T tokens of the causal conv: token t's window is the last K - 1 of (state, x[0 .. t - 1]), then x[t]
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = c < n_ch
+    t = 0
+    while t < n_tok:
+        acc = tl.load(x_ptr + t * stride_x + c, mask=m, other=0.0) * tl.load(w_ptr + c * K + (K - 1), mask=m,
+                                                                              other=0.0)
+        for i in tl.static_range(K - 1):
+            src = t - (K - 1) + i
+            if src >= 0:
+                xi = tl.load(x_ptr + src * stride_x + c, mask=m, other=0.0)
+            else:
+                xi = tl.load(state_ptr + (K - 1 + src) * n_ch + c, mask=m, other=0.0)
+            acc += xi * tl.load(w_ptr + c * K + i, mask=m, other=0.0)
+        tl.store(y_ptr + t * n_ch + c, acc / (1.0 + tl.exp(-acc)), mask=m)
+        t += 1
+    # the new state: the last K - 1 inputs (ascending, so an old row is read before it is written)
+    for i in tl.static_range(K - 1):
+        src = n_tok - (K - 1) + i
+        if src >= 0:
+            xi = tl.load(x_ptr + src * stride_x + c, mask=m, other=0.0)
+        else:
+            xi = tl.load(state_ptr + (K - 1 + src) * n_ch + c, mask=m, other=0.0)
+        tl.store(state_ptr + i * n_ch + c, xi, mask=m)
+
+
+@triton.jit
+def _gdn_rule_tokens_kernel(conv_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, ssma_ptr, s_ptr, norm_ptr, out_ptr, eps, n_k,
+                            ratio, n_tok, n_conv, stride_in, stride_out, DK: tl.constexpr, DV: tl.constexpr,
+                            TILED: tl.constexpr, SIGMOID: tl.constexpr):
+    # V head j over T tokens, its state kept in registers between them
+    j = tl.program_id(0)
+    kh = j % n_k if TILED else j // ratio
+    offs = j.to(tl.int64) * DV * DK + tl.arange(0, DV)[:, None] * DK + tl.arange(0, DK)[None, :]
+    st = tl.load(s_ptr + offs)
+    t = 0
+    while t < n_tok:
+        st = _gdn_token(st, conv_ptr + t * n_conv, z_ptr + t * stride_in, b_ptr + t * stride_in, a_ptr + t * stride_in,
+                        dtb_ptr, ssma_ptr, norm_ptr, out_ptr + t * stride_out, j, kh, n_k, eps, DK, DV, SIGMOID)
+        t += 1
+    tl.store(s_ptr + offs, st)
 
 
 def gdn_step(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, conv_state: Tensor, conv_w: Tensor, dt_bias: Tensor,
@@ -872,3 +928,23 @@ def gdn_step(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, conv_state: Tensor, c
                                                   num_warps=4)
     _gdn_rule_kernel[(nv,)](conv_out, z, b, a, dt_bias, ssm_a, ssm, norm, out, float(eps), n_k, nv // n_k,
                             DK=dk, DV=dv, TILED=bool(tiled), SIGMOID=bool(sigmoid_gate), num_warps=8)
+
+
+def gdn_tokens(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, conv_state: Tensor, conv_w: Tensor, dt_bias: Tensor,
+               ssm_a: Tensor, ssm: Tensor, norm: Tensor, eps: float, n_k: int, tiled: bool, sigmoid_gate: bool,
+               conv_out: Tensor, out: Tensor) -> None:
+    """T tokens of :func:`gdn_step` in two launches (prefill): ``qkv`` [T, C],
+    ``z`` [T, Hv Dv], ``b``/``a`` [T, Hv] (rows of one buffer: the same row
+    stride), ``conv_out`` [T, C] scratch, ``out`` [T, Hv Dv]; the states
+    advance as T single steps advance them."""
+    n_tok, n_ch = qkv.shape
+    k_taps = conv_w.shape[1]
+    nv, dv, dk = ssm.shape
+    block = 1024
+    if n_tok == 0:
+        return
+    _gdn_conv_tokens_kernel[(triton.cdiv(n_ch, block),)](qkv, qkv.stride(0), conv_state, conv_w, conv_out, n_ch, n_tok,
+                                                         K=k_taps, BLOCK=block, num_warps=4)
+    _gdn_rule_tokens_kernel[(nv,)](conv_out, z, b, a, dt_bias, ssm_a, ssm, norm, out, float(eps), n_k, nv // n_k, n_tok,
+                                   conv_out.stride(0), z.stride(0), out.stride(0), DK=dk, DV=dv, TILED=bool(tiled),
+                                   SIGMOID=bool(sigmoid_gate), num_warps=8)

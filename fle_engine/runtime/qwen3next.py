@@ -156,9 +156,10 @@ class Net(qwen3moe.Net):
 
     def prefill_gdn(self, m: GDN, il: int, xn: Tensor, out: Tensor, state, ops) -> None:
         """T tokens of a GDN layer: the projections for all of them at once,
-        then the recurrence token by token with the decode step's own
-        ``gdn_step`` (the state advances exactly as T decode steps advance
-        it), then the output projection for all."""
+        then the conv and the recurrence over the tokens in two launches
+        (``gdn_tokens``: the decode step's arithmetic per token, the state
+        advancing as T decode steps advance it), then the output projection
+        for all."""
         from .prefill import dense_rows
 
         a, dt = self.args, state.prefill_dtype
@@ -174,10 +175,8 @@ class Net(qwen3moe.Net):
                 off += mat.n_out
         conv_state, ssm = state.kv[il]
         go = torch.empty(T, nz, dtype=torch.float32, device=xn.device)
-        conv_out = torch.empty(c, dtype=torch.float32, device=xn.device)
-        for t in range(T):
-            row = proj[t]
-            ops.gdn_step(row[:c], row[c:c + nz], row[c + nz:c + nz + nv], row[c + nz + nv:], conv_state, m.conv,
-                         m.dt_bias, m.ssm_a, ssm, m.norm, a.eps, a.n_k_heads, self.gdn_tiled, self.gdn_sigmoid,
-                         conv_out, go[t])
+        conv_out = torch.empty(T, c, dtype=torch.float32, device=xn.device)
+        ops.gdn_tokens(proj[:, :c], proj[:, c:c + nz], proj[:, c + nz:c + nz + nv], proj[:, c + nz + nv:], conv_state,
+                       m.conv, m.dt_bias, m.ssm_a, ssm, m.norm, a.eps, a.n_k_heads, self.gdn_tiled, self.gdn_sigmoid,
+                       conv_out, go)
         dense_rows(m.out, go, out, ops, dt)
