@@ -18,11 +18,9 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from fle_engine import load  # noqa: E402
 from fle_engine.kernels import engine_ops  # noqa: E402
 from fle_engine.runtime import Engine  # noqa: E402
 from fle_engine.runtime.prefill import grouped_mm, sort_by_expert  # noqa: E402
-from fle_quant.errors import FleError  # noqa: E402
 from fle_quant.ggml_types import GGMLType  # noqa: E402
 from fle_quant.quants import quantize  # noqa: E402
 from fle_quant.synth import make_model  # noqa: E402
