@@ -185,6 +185,8 @@ def _generate(args) -> int:
                                       f"({100 * spec.acceptance:.1f} %), {spec.trunk_calls} trunk calls")
     print(f"[prompt {len(prompt)} tokens, generated {n} tokens ({why}), {dt:.2f} s, "
           f"seed {sampler.seed}{drafts}]", file=sys.stderr)
+    if spec is not None and spec.line():
+        print(f"[{spec.line()}]", file=sys.stderr)
     return 0
 
 

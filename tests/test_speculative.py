@@ -65,6 +65,7 @@ def test_always_right_drafts(model, monkeypatch, n_draft):
     assert got == want
     # the first token comes from the prompt, then n_draft + 1 per trunk call, no rollback
     assert stats.accepted == stats.drafted and stats.trunk_calls == -(-(N - 1) // (n_draft + 1))
+    assert stats.by_position() == [1.0] * n_draft and sum(stats.reached) == stats.drafted
 
 
 def test_wrong_second_draft_keeps_the_first(model, monkeypatch):
@@ -84,6 +85,9 @@ def test_wrong_second_draft_keeps_the_first(model, monkeypatch):
                                     stats=stats))
     assert got == want
     assert stats.accepted == stats.drafted // 2 and stats.accepted > 0
+    # per position: every first draft right, every second one reached and wrong
+    assert stats.by_position()[0] == 1.0 and stats.right[1] == 0 and stats.reached[1] == stats.reached[0]
+    assert "1: 100.0 %" in stats.line()
 
 
 def test_rollback_restores_the_state(model):
