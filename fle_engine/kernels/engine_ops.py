@@ -62,6 +62,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -130,8 +131,9 @@ class Q8Cache:
     def nbytes(self) -> int:
         return self.q.numel() + 2 * self.d.numel()
 
-    def store(self, p: int, x: Tensor) -> None:
-        """Quantize ``x`` [Hkv, Dh] (float32) into position ``p``."""
+    def store(self, p: "int | slice", x: Tensor) -> None:
+        """Quantize ``x`` [Hkv, Dh] (float32) into position ``p``, or
+        [Hkv, T, Dh] into the positions of the slice ``p``."""
         q, d = q8_0_quantize(x)
         self.q[:, p], self.d[:, p] = q, d
 
@@ -367,12 +369,10 @@ def gather_rows_ref(table: Tensor, qtype: GGMLType, host_delta: int, rows: Tenso
     out.copy_(vals.reshape(-1).to(out.device))
 
 
-def chunk_order(qtype: GGMLType) -> "np.ndarray":
+def chunk_order(qtype: GGMLType) -> np.ndarray:
     """The value (0..255 within its 256-value chunk) at each place of the fast
     decoders' tile [A, B, C] flattened: triton_quant's ``_value_index``
     written out (tests hold the two equal)."""
-    import numpy as np
-
     from .triton_quant import _FORMATS
 
     A, B, C = _FORMATS[qtype].tile
@@ -399,8 +399,6 @@ def tile_columns(qtype: GGMLType, n_in: int, device) -> Tensor:
     """int64 [n_in]: the input column that each column of a matrix decoded in
     tile order holds (``n_in`` a multiple of 256): x[:, cols] @ W_tile.T
     equals x @ W.T."""
-    import numpy as np
-
     perm = chunk_order(qtype)
     j = np.arange(n_in)
     return torch.from_numpy(j // 256 * 256 + perm[j % 256]).to(device)

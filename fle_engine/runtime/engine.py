@@ -192,7 +192,7 @@ class Engine:
         self.step_hits = deque(maxlen=1 << 20)
         self.length = 0
         self.history: list = []          # the tokens whose effect the state holds, position by position
-        self._prefill_out: dict = {}
+        self._last_tok = None            # the output of the last step read (or of a prefill)
         self.cached_tokens = 0           # the last prompt's leading tokens kept from the sequence before it
         self.prefill = None
         self.prefill_min = int(prefill_min)
@@ -345,11 +345,14 @@ class Engine:
         save_profile(self.profile_path, Profile(self.fingerprint, self.cache.profile_counts()))
         self._last_profile_save = time.monotonic()
 
+    def _host(self, *shape, dt) -> torch.Tensor:
+        """A host buffer the GPU copies to and from: page-locked with CUDA."""
+        t = torch.zeros(*shape, dtype=dt)
+        return t.pin_memory() if self.cuda else t
+
     def _rings(self) -> None:
         a = self.args
-        pin = self.cuda
-        mk = (lambda *s, dt: torch.zeros(*s, dtype=dt).pin_memory()) if pin else (
-            lambda *s, dt: torch.zeros(*s, dtype=dt))
+        mk = self._host
         self._ring_ids = [mk(a.n_layer, a.n_expert_used, dt=torch.int32) for _ in range(_RING)]
         self._ring_hits = [mk(a.n_layer, a.n_expert_used, dt=torch.int32) for _ in range(_RING)]
         self._ring_tok = [mk(1, dt=torch.int64) for _ in range(_RING)]
@@ -428,15 +431,10 @@ class Engine:
                 ev.synchronize()
             self._tok_in[i] = token
             st.tok.copy_(self._tok_in[i:i + 1], non_blocking=True)
-        # None: the previous step's output, filled in when that step is read (a prefill's is known already)
-        self.history.append(token if token is not None else self._prefill_out.pop(self.launched - 1, None))
-        v = self.net.variant_for(self.launched, self.ctx_size)      # the step's position: steps since reset
-        if self._graph is not None:
-            self._graphs[v].replay()
-        else:
-            self.net.set_variant(st, v)
-            with torch.inference_mode():
-                self._step()
+        # a step fed on the device takes the previous step's output: known once that step is read (else None,
+        # filled in then)
+        self.history.append(self._last_tok if token is None and self.consumed == self.launched else token)
+        self._run_one()
         if self.cuda:
             self._ring_ids[i].copy_(st.ids_log, non_blocking=True)
             self._ring_hits[i].copy_(st.hit_log, non_blocking=True)
@@ -451,15 +449,17 @@ class Engine:
         self.launched += 1
         self.stats.launch_seconds += time.perf_counter() - t0
 
-    def _consume(self) -> int:
-        step = self.consumed
-        tok = self._consume_ring()
-        h = self.history
-        if step + 1 < len(h) and h[step + 1] is None:
-            h[step + 1] = tok
-        return tok
+    def _run_one(self) -> None:
+        """One decode step at the current position: its graph replayed, or eagerly."""
+        v = self.net.variant_for(self.launched, self.ctx_size)      # the step's position: steps since reset
+        if self._graph is not None:
+            self._graphs[v].replay()
+        else:
+            self.net.set_variant(self.state, v)
+            with torch.inference_mode():
+                self._step()
 
-    def _consume_ring(self) -> int:
+    def _consume(self) -> int:
         i = self.consumed % _RING
         if self.cuda:
             self._ring_ev[i].synchronize()
@@ -471,7 +471,11 @@ class Engine:
         self.consumed += 1
         if self.profile_path is not None and time.monotonic() - self._last_profile_save > PROFILE_EVERY_S:
             self.save_profile()
-        return int(self._ring_tok[i][0])
+        tok = self._last_tok = int(self._ring_tok[i][0])
+        h = self.history                 # the step's output is the token the next step was fed
+        if self.consumed < len(h) and h[self.consumed] is None:
+            h[self.consumed] = tok
+        return tok
 
     def reset(self) -> None:
         """Start a new sequence at position 0 (the expert cache keeps its contents)."""
@@ -480,7 +484,7 @@ class Engine:
         self.launched = self.consumed = 0
         self.length = 0
         self.history = []
-        self._prefill_out = {}
+        self._last_tok = None
 
     def _reuse(self, prompt: list[int]) -> int:
         """How many leading tokens of ``prompt`` the sequence in the state
@@ -619,8 +623,7 @@ class Engine:
             return None
         self.history.extend(prompt[start:])
         self.launched = self.consumed = len(prompt)
-        first = int(self.state.tok[0])
-        self._prefill_out = {len(prompt) - 1: first}
+        first = self._last_tok = int(self.state.tok[0])
         return first
 
     def _sampled(self, prompt, n_predict, stop, sampler) -> Iterator[int]:
@@ -670,8 +673,7 @@ class Engine:
         if getattr(self.state, "multi", None) is None:
             self.net.alloc_multi(self.state, VERIFY_MAX)
             a = self.args
-            mk = (lambda *s, dt: torch.zeros(*s, dtype=dt).pin_memory()) if self.cuda else (
-                lambda *s, dt: torch.zeros(*s, dtype=dt))
+            mk = self._host
             self._multi_tok_in = mk(VERIFY_MAX, dt=torch.int64)
             self._multi_tok_out = mk(VERIFY_MAX, dt=torch.int64)
             self._multi_ids = mk(a.n_layer, VERIFY_MAX * a.n_expert_used, dt=torch.int32)
@@ -806,12 +808,7 @@ class Engine:
         def once(i: int) -> None:
             if n == 1:
                 st.tok.copy_(toks[i])
-                if self._graph is not None:
-                    self._graphs[self.net.variant_for(self.launched, self.ctx_size)].replay()
-                else:
-                    self.net.set_variant(st, self.net.variant_for(self.launched, self.ctx_size))
-                    with torch.inference_mode():
-                        self._step()
+                self._run_one()
             else:
                 st.toks[:n].copy_(toks[i])
                 self._run_multi(n)

@@ -34,6 +34,7 @@ compute stream stood waiting for a copy (copying without computing).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -144,8 +145,9 @@ class Staging:
     """The ring of layer-sized staging buffers, and which experts of each
     layer are read from it.
 
-    ``lend``: the memory from the back of the cache's slot buffer when it is
-    large enough, else a buffer of its own. ``base_words(l, j, qtype,
+    The ring is the back of the cache's slot buffer when that is large
+    enough (``lent_layers``: the layers whose slots it covers), else a
+    buffer of its own (``own``). ``base_words(l, j, qtype,
     part)``: per expert of layer l, the word offset (from the slot buffer)
     of its matrix when ring buffer j holds the layer. ``runs(l)``: the
     (first expert, count) runs that the copy moves."""
@@ -238,6 +240,7 @@ class Prefill:
         # the products' inputs: bfloat16 on tensor cores (None: on CUDA), or float32 (checks, the CPU)
         self.bf16 = bf16
         self._scratch: dict = {}
+        self.stats = PrefillStats()
 
     @property
     def dtype(self):
@@ -250,7 +253,6 @@ class Prefill:
         if t is None or t.shape != shape or t.dtype != self.dtype:
             t = self._scratch[key] = torch.empty(shape, dtype=self.dtype, device=self.eng.device)
         return t
-        self.stats = PrefillStats()
 
     def run(self, tokens, pos0: int = 0, keep_history: bool = False) -> PrefillStats:
         eng = self.eng
@@ -269,38 +271,33 @@ class Prefill:
         copy = torch.cuda.Stream(dev) if cuda else None
         if cuda:
             copy.wait_stream(main)
-        layers = [il for il in range(a.n_layer)]
-        n_moe = len(layers)
         done_ev: list = []                                   # per global layer: compute finished reading
         copy_ev: list = []
         waits: list = []
         host_t = cache.host.tensor
 
         def issue_copy(g: int) -> None:
-            il = layers[g % n_moe]
-            j = g % self.depth
-            dst = stg.ring(j)
+            il = g % a.n_layer
+            dst = stg.ring(g % self.depth)
             eb = cache.layouts[il].expert_bytes
             src_off = cache.host.offsets[il]
-            if cuda:
-                with torch.cuda.stream(copy):
-                    if g >= self.depth:
-                        copy.wait_event(done_ev[g - self.depth])
-                    for e0, n in stg.runs(il):
-                        dst[e0 * eb:(e0 + n) * eb].copy_(host_t[src_off + e0 * eb:src_off + (e0 + n) * eb],
-                                                         non_blocking=True)
+            runs = stg.runs(il)
+            ev = None
+            with torch.cuda.stream(copy) if cuda else contextlib.nullcontext():
+                if cuda and g >= self.depth:
+                    copy.wait_event(done_ev[g - self.depth])
+                for e0, n in runs:
+                    dst[e0 * eb:(e0 + n) * eb].copy_(host_t[src_off + e0 * eb:src_off + (e0 + n) * eb],
+                                                     non_blocking=cuda)
+                if cuda:
                     ev = torch.cuda.Event(enable_timing=True)
                     ev.record(copy)
-                copy_ev.append(ev)
-            else:
-                for e0, n in stg.runs(il):
-                    dst[e0 * eb:(e0 + n) * eb].copy_(host_t[src_off + e0 * eb:src_off + (e0 + n) * eb])
-                copy_ev.append(None)
-            stats.bytes_copied += sum(n for _, n in stg.runs(il)) * eb
+            copy_ev.append(ev)
+            stats.bytes_copied += sum(n for _, n in runs) * eb
 
         toks = [int(t) for t in tokens]
         chunks = [toks[i:i + self.ubatch] for i in range(0, len(toks), self.ubatch)]
-        n_glob = len(chunks) * n_moe
+        n_glob = len(chunks) * a.n_layer
         for g in range(min(self.depth, n_glob)):
             issue_copy(g)
         g = 0
@@ -314,8 +311,7 @@ class Prefill:
                     xn = torch.empty_like(x)
                     ops.add_rmsnorm(x, None, net.layers[0].attn_norm, a.eps, xn)
                     buf = _Buffers(a, T, dev)
-                    for il in layers:
-                        L = net.layers[il]
+                    for il, L in enumerate(net.layers):
                         net.prefill_mixer(L, il, xn, buf.attn_out, pos, st, ops)
                         ops.add_rmsnorm(x, buf.attn_out.view(T, 1, -1), L.ffn_norm, a.eps, xn)
                         j = g % self.depth
@@ -361,12 +357,9 @@ class Prefill:
     def _moe(self, m, il: int, j: int, xn: Tensor, buf: "_Buffers", stg: Staging, ops) -> None:
         a = self.eng.net.args
         k, lay, E = a.n_expert_used, m.layout, a.n_expert
-        logits = torch.matmul(xn, m.router.T)
-        probs = torch.softmax(logits, dim=-1)
-        top, ids = torch.topk(probs, k, dim=-1)
-        w = top / top.sum(-1, keepdim=True).clamp(min=6.103515625e-5)
-        if a.expert_weights_scale not in (0.0, 1.0):
-            w = w * a.expert_weights_scale
+        ids, w = buf.ids, buf.wts
+        ops.route_topk(torch.matmul(xn, m.router.T), k, a.expert_weights_scale, self.eng.cache.layer_map(il), ids, w,
+                       buf.log, buf.hits)
         order, ends = sort_by_expert(ids, E)
         dt = self.dtype
         dev = xn.device
@@ -391,5 +384,10 @@ class _Buffers:
 
     def __init__(self, a, T: int, dev):
         self.T = T
+        k = a.n_expert_used
         self.attn_out = torch.zeros(T, a.n_embd, dtype=torch.float32, device=dev)
-        self.y = torch.zeros(T * a.n_expert_used, a.n_embd, dtype=torch.float32, device=dev)
+        self.y = torch.zeros(T * k, a.n_embd, dtype=torch.float32, device=dev)
+        self.ids = torch.zeros(T, k, dtype=torch.int64, device=dev)
+        self.wts = torch.zeros(T, k, dtype=torch.float32, device=dev)
+        self.log = torch.zeros(T, k, dtype=torch.int32, device=dev)      # route_topk's logs (the policy skips them)
+        self.hits = torch.zeros(T, k, dtype=torch.int32, device=dev)

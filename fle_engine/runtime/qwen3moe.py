@@ -343,7 +343,7 @@ class Net:
         """Attention of T tokens (the decode step's arithmetic for many rows):
         q/k norms and rotary at their positions, K and V written into the
         cache, each token attending to the cache up to its own position."""
-        from ..kernels.engine_ops import Q8Cache, q8_0_quantize
+        from ..kernels.engine_ops import Q8Cache
         from ..layers import apply_rope_neox, rms_norm
         from .prefill import dense_rows
 
@@ -360,16 +360,13 @@ class Net:
         k = rms_norm(qkv[:, nq:nq + nkv].reshape(T, a.n_head_kv, hd), at.k_norm, a.eps)
         v = qkv[:, nq + nkv:nq + 2 * nkv].reshape(T, a.n_head_kv, hd)
         c, s = state.rope_cos[pos0:pos0 + T], state.rope_sin[pos0:pos0 + T]
-        rot = a.n_rot
-        q = torch.cat([apply_rope_neox(q[..., :rot], c, s), q[..., rot:]], -1) if rot < hd else apply_rope_neox(q, c, s)
-        k = torch.cat([apply_rope_neox(k[..., :rot], c, s), k[..., rot:]], -1) if rot < hd else apply_rope_neox(k, c, s)
+        q, k = apply_rope_neox(q, c, s), apply_rope_neox(k, c, s)          # partial rotary: the rest passes through
         kc, vc = state.kv[il][:2]
         end = pos0 + T
         for cache, val in ((kc, k), (vc, v)):
             val = val.transpose(0, 1)                                       # [Hkv, T, Dh]
             if isinstance(cache, Q8Cache):
-                qv, d = q8_0_quantize(val)
-                cache.q[:, pos0:end], cache.d[:, pos0:end] = qv, d
+                cache.store(slice(pos0, end), val)
             else:
                 cache[:, pos0:end] = val.to(cache.dtype)
         kk, vv = (cc.values(end) if isinstance(cc, Q8Cache) else cc[:, :end] for cc in (kc, vc))

@@ -464,13 +464,11 @@ class Engine:
                 task.spec = SpecStats()
                 task.gen = generate_speculative(self.model, job.prompt, job.n_predict, task.sampler, stop=stop,
                                                 n_draft=self.n_draft, stats=task.spec)
-            elif self.runtime:      # the GPU engine keeps what its sequence shares with the last one
-                task.gen = self.model.tokens(job.prompt, job.n_predict, stop=stop,
-                                             sampler=None if job.params.temp <= 0 else task.sampler,
-                                             cache_prompt=job.cache_prompt)
             else:
+                # the GPU engine keeps what its sequence shares with the last one
+                keep = {"cache_prompt": job.cache_prompt} if self.runtime else {}
                 task.gen = self.model.tokens(job.prompt, job.n_predict, stop=stop,
-                                             sampler=None if job.params.temp <= 0 else task.sampler)
+                                             sampler=None if job.params.temp <= 0 else task.sampler, **keep)
             return
         task.n_cached = task.pos = self._prepare(slot, job)
         slot.cacheable = job.cache_prompt
