@@ -69,10 +69,12 @@ def expert_bench(configs, n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -
     import torch
 
     from fle_engine.kernels import triton_engine as te
+    from fle_engine.kernels import triton_quant as _tq
     from fle_engine.runtime.weights import ExpertLayout
     from fle_quant.ggml_types import GGMLType
 
     qt = GGMLType.IQ4_XS
+    fast_default, paired_default = _tq.FAST_DECODE, dict(te.PAIRED)
     lay = ExpertLayout(n_ff, n_embd, qt, n_embd // 256 * 136, qt, n_ff // 256 * 136)
     eb = lay.expert_bytes
     rng = np.random.default_rng(0)
@@ -92,9 +94,11 @@ def expert_bench(configs, n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -
     miss_map = torch.full((n_expert,), -1, dtype=torch.int32, device="cuda")
     out = []
     bytes_layer = k * eb
-    for cfg in configs:
+    for cfg, fast in configs:
         os.environ["FLE_EXPERT_CONFIG"] = ",".join(str(c) for c in cfg)
-        row = {"config": cfg}
+        _tq.FAST_DECODE = fast in ("fast", "paired")
+        te.PAIRED = {"hit": fast == "paired", "miss": fast == "paired"}
+        row = {"config": cfg, "decode": fast}
         for name, smap in (("hit", hit_map), ("miss", miss_map)):
             def fn(smap=smap):
                 for g in range(groups):
@@ -107,14 +111,53 @@ def expert_bench(configs, n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -
         out.append(row)
         print(row, flush=True)
     os.environ.pop("FLE_EXPERT_CONFIG", None)
+    _tq.FAST_DECODE, te.PAIRED = fast_default, paired_default
     torch.cuda.cudart().cudaHostUnregister(host_np.ctypes.data)
     return out
+
+
+def read_ceiling(n_expert=128, expert_bytes=2_506_752, k=8, groups=16) -> dict:
+    """What a kernel that only reads the bytes reaches at this size: per layer, the gate+up
+    part (2/3) and then the down part (1/3) of 8 experts, summed by 1024-word programs, in
+    two launches, 16 layers per timed graph."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read(w_ptr, base_ptr, out_ptr, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+        e = tl.program_id(1)
+        base = tl.load(base_ptr + e)
+        offs = tl.program_id(0) * (BLOCK * STEPS) + tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for i in range(STEPS):
+            o = offs + i * BLOCK
+            acc += tl.load(w_ptr + base + o, mask=o < n_words, other=0)
+        tl.atomic_add(out_ptr + e, tl.sum(acc, axis=0))
+
+    words = torch.randint(0, 1 << 30, (n_expert * expert_bytes // 4,), dtype=torch.int32, device="cuda")
+    ew = expert_bytes // 4
+    gu_words, dn_words = ew * 2 // 3, ew - ew * 2 // 3
+    rng = np.random.default_rng(1)
+    bases = [torch.tensor(rng.permutation(n_expert)[:k] * ew, dtype=torch.int64, device="cuda") for _ in range(groups)]
+    out = torch.zeros(k, dtype=torch.int32, device="cuda")
+    block, steps = 1024, 4
+
+    def fn():
+        for g in range(groups):
+            _read[(triton.cdiv(gu_words, block * steps), k)](words, bases[g], out, gu_words, BLOCK=block, STEPS=steps,
+                                                              num_warps=4)
+            _read[(triton.cdiv(dn_words, block * steps), k)](words, bases[g] + gu_words, out, dn_words, BLOCK=block,
+                                                              STEPS=steps, num_warps=4)
+    t = _time_graph(fn) / groups
+    return {"us": t * 1e6, "GBps": k * expert_bytes / t / 1e9}
 
 
 def dense_bench() -> list[dict]:
     import torch
 
     from fle_engine.kernels import triton_quant
+    from fle_engine.runtime.weights import _dense_config
     from fle_quant.ggml_types import GGMLType
 
     rows = []
@@ -125,9 +168,16 @@ def dense_bench() -> list[dict]:
             m.view(-1, 34)[:, :2] = torch.tensor([0x00, 0x14], dtype=torch.uint8, device="cuda")   # d = ~0.001
         x = torch.randn(1, n_in, device="cuda")
         y = torch.zeros(1, n_out, device="cuda")
-        t = _time_graph(lambda: [triton_quant.mul_mat(m, GGMLType.Q8_0, x, out=y) for m in mats]) / reps
-        rows.append({"matrix": name, "us": t * 1e6, "GBps": mats[0].numel() / t / 1e9})
-        print(rows[-1], flush=True)
+        fast_default = triton_quant.FAST_DECODE
+        for fast in [fast_default] + ([False] if fast_default else []):
+            triton_quant.FAST_DECODE = fast
+            for launch, cfg in (("engine", _dense_config(n_out, 1)), ("16-row", None)):
+                t = _time_graph(lambda: [triton_quant.mul_mat(m, GGMLType.Q8_0, x, out=y, config=cfg)
+                                         for m in mats]) / reps
+                rows.append({"matrix": name, "launch": launch, "decode": "fast" if fast else "plain",
+                             "us": t * 1e6, "GBps": mats[0].numel() / t / 1e9})
+                print(rows[-1], flush=True)
+        triton_quant.FAST_DECODE = fast_default
     return rows
 
 
@@ -139,19 +189,23 @@ def main(argv=None) -> int:
     import json
 
     from fle_engine.kernels import triton_engine as te
+    from fle_engine.kernels import triton_quant as _tq
 
     res = {"ceilings": ceilings()}
     print(res["ceilings"], flush=True)
     miss = tuple(te.EXPERT_CONFIG["miss"][0]) + tuple(te.EXPERT_CONFIG["miss"][1])
     base = tuple(te.EXPERT_CONFIG["hit"][0]) + tuple(te.EXPERT_CONFIG["hit"][1])
-    configs = [base, miss]
-    configs += [miss[:2] + (1,) + miss[3:5] + (1,), base[:2] + (1,) + base[3:5] + (1,)]    # unrolled
+    configs = sorted({base, miss, (4, 2, 0, 8, 2, 0), (8, 4, 0, 16, 4, 0), (2, 1, 0, 8, 2, 0), (4, 1, 0, 4, 1, 0),
+                      (1, 1, 0, 4, 1, 0), (8, 4, 0, 8, 2, 0)})
     if args.sweep:
-        gu = [(2, 1, 0), (4, 1, 0), (4, 2, 0), (8, 2, 0), (8, 4, 0), (16, 4, 0), (4, 1, 1), (8, 2, 1)]
-        dn = [(4, 1, 0), (8, 1, 0), (8, 2, 0), (16, 2, 0), (16, 4, 0), (32, 4, 0), (8, 1, 1), (16, 2, 1)]
+        gu = [(2, 1, 0), (4, 1, 0), (4, 2, 0), (8, 2, 0), (8, 4, 0), (16, 4, 0), (32, 4, 0), (32, 8, 0)]
+        dn = [(4, 1, 0), (8, 1, 0), (8, 2, 0), (16, 2, 0), (16, 4, 0), (32, 4, 0), (32, 8, 0), (64, 8, 0)]
         configs = sorted(set(configs + [g + d for g, d in zip(gu, dn)] + [g + base[3:] for g in gu]
                              + [base[:3] + d for d in dn]))
-    res["experts"] = expert_bench(configs)
+    # the byte-permute IQ4 decoder with gate and up rows in one loop, in two, and the value-by-value decoder
+    decodes = ["paired", "fast", "plain"] if _tq.FAST_DECODE else ["plain"]
+    res["read_ceiling"] = read_ceiling()
+    res["experts"] = expert_bench([(c, f) for f in decodes for c in configs])
     res["dense"] = dense_bench()
     hbm, pin = res["ceilings"]["hbm_copy_GBps"], res["ceilings"]["pinned_h2d_GBps"]
     best_hit = min(res["experts"], key=lambda r: r["hit_us"])
@@ -159,8 +213,19 @@ def main(argv=None) -> int:
     print(f"experts, slots: best {best_hit['config']} {best_hit['hit_GBps']:.0f} GB/s = {best_hit['hit_GBps'] / hbm:.2f} "
           f"of HBM; misses: best {best_miss['config']} {best_miss['miss_GBps']:.1f} GB/s = "
           f"{best_miss['miss_GBps'] / pin:.2f} of the pinned copy")
+    rc = res["read_ceiling"]
+    print(f"read-only kernel over the same bytes (two launches per layer, as the experts): {rc['us']:.1f} us, "
+          f"{rc['GBps']:.0f} GB/s = {rc['GBps'] / hbm:.2f} of HBM")
+    for dec in decodes:
+        rs = [r for r in res["experts"] if r["decode"] == dec]
+        if rs:
+            h = min(rs, key=lambda r: r["hit_us"])
+            m = min(rs, key=lambda r: r["miss_us"])
+            print(f"  {dec} decode: slots {h['config']} {h['hit_GBps']:.0f} GB/s = {h['hit_GBps'] / hbm:.2f}; "
+                  f"misses {m['config']} {m['miss_GBps']:.1f} GB/s = {m['miss_GBps'] / pin:.2f}")
     for r in res["dense"]:
-        print(f"dense {r['matrix']}: {r['GBps']:.0f} GB/s = {r['GBps'] / hbm:.2f} of HBM")
+        print(f"dense {r['matrix']} ({r['launch']} launch, {r['decode']} decode): {r['GBps']:.0f} GB/s = "
+              f"{r['GBps'] / hbm:.2f} of HBM")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
     return 0

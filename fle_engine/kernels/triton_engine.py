@@ -51,7 +51,8 @@ from torch import Tensor
 
 from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 
-from .triton_quant import _FORMATS, _decode, _lut, _value_index
+from . import triton_quant as _tq
+from .triton_quant import _FORMATS, _decode, _iq4_xs_rows_fast, _lut, _value_index
 
 __all__ = ["gdn_tokens", "experts", "experts_union", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv",
            "qk_rope_kv_multi", "attention", "attention_multi", "embed_row", "hc_write_norm", "hc_mix", "gather_rows",
@@ -67,23 +68,28 @@ ATTN_SPLITS = 32
 @triton.jit
 def _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE: tl.constexpr, A: tl.constexpr,
                  B: tl.constexpr, C: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 UNROLL: tl.constexpr):
+                 UNROLL: tl.constexpr, FAST: tl.constexpr = False):
     """[BLOCK_N] products of the rows at word offsets ``row_w`` with the
     activation row at ``x_base``; ``UNROLL`` unrolls the chunk loop, so that
-    every chunk's loads can be in flight at once (for reads over PCIe)."""
-    k_in = _value_index(QTYPE, A, B, C)
-    acc4 = tl.zeros([BLOCK_N, A, B, C], dtype=tl.float32)
-    if UNROLL:
-        for kc in tl.static_range(N_CHUNKS):
-            w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
-            k = kc * (A * B * C) + k_in
-            acc4 += w * tl.load(x_base + k, mask=k < n_in, other=0.0)[None, :, :, :]
+    every chunk's loads can be in flight at once (for reads over PCIe);
+    ``FAST``: IQ4_XS through the byte-permute decoder."""
+    if FAST and QTYPE == 23 and not UNROLL:
+        y = _iq4_xs_rows_fast(wv, row_w, x_base, N_CHUNKS, BLOCK_N)
     else:
-        for kc in range(0, N_CHUNKS):
-            w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
-            k = kc * (A * B * C) + k_in
-            acc4 += w * tl.load(x_base + k, mask=k < n_in, other=0.0)[None, :, :, :]
-    return tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1)
+        k_in = _value_index(QTYPE, A, B, C)
+        acc4 = tl.zeros([BLOCK_N, A, B, C], dtype=tl.float32)
+        if UNROLL:
+            for kc in tl.static_range(N_CHUNKS):
+                w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
+                k = kc * (A * B * C) + k_in
+                acc4 += w * tl.load(x_base + k, mask=k < n_in, other=0.0)[None, :, :, :]
+        else:
+            for kc in range(0, N_CHUNKS):
+                w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
+                k = kc * (A * B * C) + k_in
+                acc4 += w * tl.load(x_base + k, mask=k < n_in, other=0.0)[None, :, :, :]
+        y = tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1)
+    return y
 
 
 @triton.jit
@@ -92,7 +98,7 @@ def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
                    stride_x, stride_y, cpu_share,
                    QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
                    N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr, UNROLL: tl.constexpr,
-                   SPLIT: tl.constexpr, KP: tl.constexpr):
+                   SPLIT: tl.constexpr, KP: tl.constexpr, FAST: tl.constexpr, PAIRED: tl.constexpr):
     pid_n = tl.program_id(0)
     r = tl.program_id(1)                      # (token, chosen expert) row
     e = tl.load(ids_ptr + r).to(tl.int64)
@@ -125,24 +131,36 @@ def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
         else:
             x_row = r
         x_base = x_ptr + x_row.to(tl.int64) * stride_x
-        g = _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N, UNROLL)
         if GATE_UP:
             row_u = row_w + n_out.to(tl.int64) * row_words      # the up rows follow the gate rows
-            u = _expert_rows(wv, lut_ptr, row_u, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N,
-                             UNROLL)
+            if PAIRED and FAST and QTYPE == 23 and not UNROLL:
+                # gate and up rows in one loop: twice the loads in flight per program
+                gu = _iq4_xs_rows_fast(wv, tl.reshape(tl.join(row_w, row_u), [2 * BLOCK_N]), x_base, N_CHUNKS,
+                                       2 * BLOCK_N)
+                g, u = tl.split(tl.reshape(gu, [BLOCK_N, 2]))
+            else:
+                g = _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N,
+                                 UNROLL, FAST)
+                u = _expert_rows(wv, lut_ptr, row_u, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N,
+                                 UNROLL, FAST)
             out = g / (1.0 + tl.exp(-g)) * u
         else:
+            g = _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N, UNROLL,
+                             FAST)
             out = g * tl.load(wts_ptr + r)
         tl.store(y_ptr + r.to(tl.int64) * stride_y + offs_n, out, mask=mask_n)
 
 
 # (output rows per program, warps, unrolled chunk loop) of the two expert kernels, measured on an
-# H200 with bench/engine_kernels.py --sweep (8 IQ4_XS experts of 768 x 2048): reads over PCIe want
-# many small programs (2,1 / 4,1: 43 GB/s, against 30 GB/s for 16,4 / 32,4), reads from the slots
-# larger ones (16,4 / 8,2: 30 us against 38 us). "miss" is used when a layer can miss, "hit" when
-# every expert of every layer is cached. FLE_EXPERT_CONFIG="bn,warps,unroll,bn,warps,unroll"
-# (gate+up, down) overrides both (tuning).
-EXPERT_CONFIG = {"miss": ((2, 1, 0), (4, 1, 0)), "hit": ((16, 4, 0), (8, 2, 0))}
+# H200 with bench/engine_kernels.py (8 IQ4_XS experts of 768 x 2048, 16 layers per graph; docs/benchmarks.md,
+# "Engine kernels at T = 1"). Reads over PCIe want many small programs (2,1 / 4,1: ~38 GB/s against ~26 for
+# 8,4 / 16,4), reads from the slots larger ones (8,4 / 16,4 with the gate and up rows in one loop: 22.5 us
+# against 32.5 us for 2,1 / 4,1). "miss" is used when a layer can miss, "hit" when every expert of every layer
+# is cached. FLE_EXPERT_CONFIG="bn,warps,unroll,bn,warps,unroll" (gate+up, down) overrides both (tuning).
+EXPERT_CONFIG = {"miss": ((2, 1, 0), (4, 1, 0)), "hit": ((8, 4, 0), (16, 4, 0))}
+# With the byte-permute decoder, whether a program reads its gate and up rows in one loop, per mode:
+# measured faster from the slots, slower over PCIe (36.4 against 37.9 GB/s at the miss launch).
+PAIRED = {"miss": False, "hit": True}
 
 
 def _expert_config(gate_up: bool, mode: str) -> tuple[int, int, int]:
@@ -182,7 +200,7 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
         x.stride(0), out.stride(0), int(cpu_share),
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
         BLOCK_N=block_n, GATE_UP=gate_up, UNROLL=bool(unroll), SPLIT=cpu_share > 0,
-        KP=triton.next_power_of_2(n_used), num_warps=warps)
+        KP=triton.next_power_of_2(n_used), FAST=_tq.FAST_DECODE, PAIRED=PAIRED[mode], num_warps=warps)
     return out
 
 

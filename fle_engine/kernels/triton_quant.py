@@ -35,6 +35,7 @@ that import to run the kernels with numpy on CPU tensors.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,8 @@ from torch import Tensor
 
 from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 from fle_quant.quants import tables
+
+from .ptx_decode import IQ4_PROGRAM, Q8_PROGRAM, program_ptx
 
 __all__ = ["SUPPORTED", "Config", "mul_mat", "mul_mat_experts"]
 
@@ -62,6 +65,82 @@ def _half(v):
 def _u16(v):
     """An int16 load widened to its unsigned value."""
     return v.to(tl.int32) & 0xFFFF
+
+
+# The byte-permute decoders (ptx_decode) and whether the kernels use them: on a GPU unless
+# FLE_FAST_DECODE=0 (read at each launch; Triton's interpreter cannot run inline assembly).
+FAST_DECODE = os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("FLE_FAST_DECODE", "1") != "0"
+_IQ4_ASM = tl.constexpr(program_ptx(IQ4_PROGRAM))
+_Q8_ASM = tl.constexpr(program_ptx(Q8_PROGRAM))
+
+
+@triton.jit
+def _iq4_vals(q):
+    """Eight float32 code-book values of the nibbles of int32 words ``q``: byte j's low nibble is
+    output j, its high nibble output 4 + j."""
+    return tl.inline_asm_elementwise(_IQ4_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r", [q],
+                                     dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
+                                            tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _q8_vals(h):
+    """The two int8 values (low byte first) of 16-bit words ``h`` (in int32), as float32."""
+    return tl.inline_asm_elementwise(_Q8_ASM, "=f,=f,r", [h], dtype=(tl.float32, tl.float32), is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _q8_0_rows_fast(wv, row_w, x_row, n_blocks, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] products of Q8_0 rows (halfword offsets ``row_w``) with the activations at
+    ``x_row``, through the byte-permute decoder; per block the quants times the activations are
+    summed, then scaled once."""
+    a = tl.arange(0, 8)
+    b = tl.arange(0, 16)
+    acc = tl.zeros([BLOCK_N, 8, 16], dtype=tl.float32)
+    for kc in range(0, N_CHUNKS):
+        blk = kc * 8 + a
+        in_row = blk < n_blocks
+        bw = row_w[:, None] + tl.where(in_row, blk, 0).to(tl.int64)[None, :] * 17       # [BN, 8]
+        d = _half(tl.load(wv + bw).to(tl.int32))
+        d = tl.where(in_row[None, :], d, 0.0)      # blocks past the row's end count nothing
+        h = _u16(tl.load(wv + bw[:, :, None] + 1 + b[None, None, :]))                   # [BN, 8, 16]
+        v0, v1 = _q8_vals(h)
+        k = tl.where(in_row[:, None], blk[:, None] * 32 + 2 * b[None, :], 0)             # [8, 16]
+        s = v0 * tl.load(x_row + k)[None, :, :] + v1 * tl.load(x_row + k + 1)[None, :, :]
+        acc += d[:, :, None] * s
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def _iq4_xs_rows_fast(wv, row_w, x_base, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] products of IQ4_XS rows (word offsets ``row_w``) with the activations at ``x_base``,
+     through the byte-permute decoder: per 32-value sub-block
+    the code-book values times the activations are summed, then scaled once."""
+    a = tl.arange(0, 8)
+    b = tl.arange(0, 4)
+    xo = 32 * a[:, None] + 4 * b[None, :]                      # [8, 4]: value 4 b of sub-block a
+    acc = tl.zeros([BLOCK_N, 8, 4], dtype=tl.float32)
+    for kc in range(0, N_CHUNKS):
+        bw = row_w + kc * 34
+        h0 = tl.load(wv + bw)
+        h1 = tl.load(wv + bw + 1)
+        d = _half(h0)
+        ls = ((h1[:, None] >> (4 * a)[None, :]) & 0xF) | (((h0[:, None] >> (16 + 2 * a)[None, :]) & 3) << 4)
+        dl = d[:, None] * (ls - 32).to(tl.float32)            # [BN, 8]
+        q = tl.load(wv + bw[:, None, None] + 2 + (4 * a)[None, :, None] + b[None, None, :])   # [BN, 8, 4]
+        v0, v1, v2, v3, v4, v5, v6, v7 = _iq4_vals(q)
+        xb = x_base + kc * 256 + xo
+        s = v0 * tl.load(xb)[None, :, :]
+        s += v1 * tl.load(xb + 1)[None, :, :]
+        s += v2 * tl.load(xb + 2)[None, :, :]
+        s += v3 * tl.load(xb + 3)[None, :, :]
+        s += v4 * tl.load(xb + 16)[None, :, :]
+        s += v5 * tl.load(xb + 17)[None, :, :]
+        s += v6 * tl.load(xb + 18)[None, :, :]
+        s += v7 * tl.load(xb + 19)[None, :, :]
+        acc += dl[:, :, None] * s
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
@@ -396,7 +475,7 @@ def _qmm_kernel(wv, lut_ptr, x_ptr, y_ptr, ids_ptr,
                 n_rows, n_out, n_in, n_blocks, row_words, expert_words, n_experts, stride_x, stride_y,
                 QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, N_CHUNKS: tl.constexpr,
                 BLOCK_N: tl.constexpr, T_PAD: tl.constexpr, EXPERTS: tl.constexpr, SCAN: tl.constexpr,
-                REDUCE_ONCE: tl.constexpr, SKIP_NEGATIVE: tl.constexpr = False):
+                REDUCE_ONCE: tl.constexpr, SKIP_NEGATIVE: tl.constexpr = False, FAST: tl.constexpr = False):
     # Program (pid_n, pid_r) computes output rows [pid_n * BLOCK_N, +BLOCK_N) for a set of
     # activation rows, T_PAD at a time: plain, the pid_r-th group of T_PAD rows; experts with
     # SCAN > 0 (a power of two >= n_rows), every row whose expert is that of row pid_r, if pid_r is
@@ -445,13 +524,19 @@ def _qmm_kernel(wv, lut_ptr, x_ptr, y_ptr, ids_ptr,
             # one activation row: sum the products elementwise over the chunks, reduce once
             tl.static_assert(T_PAD == 1)
             tok = tl.sum(rows, axis=0)
-            acc4 = tl.zeros([BLOCK_N, A, B, C], dtype=tl.float32)
-            for kc in range(0, N_CHUNKS):
-                w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
-                k = kc * (A * B * C) + k_in
-                xt = tl.load(x_ptr + tok.to(tl.int64) * stride_x + k, mask=k < n_in, other=0.0)
-                acc4 += w * xt[None, :, :, :]
-            acc += tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1)[None, :]
+            if FAST and QTYPE == 8:
+                acc += _q8_0_rows_fast(wv, row_w, x_ptr + tok.to(tl.int64) * stride_x, n_blocks, N_CHUNKS,
+                                       BLOCK_N)[None, :]
+            elif FAST and QTYPE == 23:
+                acc += _iq4_xs_rows_fast(wv, row_w, x_ptr + tok.to(tl.int64) * stride_x, N_CHUNKS, BLOCK_N)[None, :]
+            else:
+                acc4 = tl.zeros([BLOCK_N, A, B, C], dtype=tl.float32)
+                for kc in range(0, N_CHUNKS):
+                    w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
+                    k = kc * (A * B * C) + k_in
+                    xt = tl.load(x_ptr + tok.to(tl.int64) * stride_x + k, mask=k < n_in, other=0.0)
+                    acc4 += w * xt[None, :, :, :]
+                acc += tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1)[None, :]
         else:
             for kc in range(0, N_CHUNKS):
                 acc = _chunk_products(acc, QTYPE, wv, lut_ptr, row_w, kc, n_blocks, x_ptr, rows, c, last,
@@ -568,7 +653,7 @@ def _launch(w: Tensor, qtype: GGMLType, x: Tensor, y: Tensor, ids: "Tensor | Non
         w.shape[0] if ids is not None else 1, x.stride(0), y.stride(0),
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
         BLOCK_N=cfg.block_n, T_PAD=t_pad, EXPERTS=ids is not None, SCAN=scan, REDUCE_ONCE=t_pad == 1,
-        SKIP_NEGATIVE=skip_negative, num_warps=cfg.num_warps)
+        SKIP_NEGATIVE=skip_negative, FAST=FAST_DECODE, num_warps=cfg.num_warps)
 
 
 def mul_mat(w: Tensor, qtype: GGMLType, x: Tensor, config: "Config | None" = None,
