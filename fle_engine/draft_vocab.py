@@ -140,8 +140,10 @@ def _check_n(n: int, n_vocab: int, what: str) -> None:
         raise FleError(f"{what} {n} is more than the model's vocabulary ({n_vocab} tokens); give at most {n_vocab}")
 
 
-def from_corpus(tok, corpus: "str | os.PathLike[str]", n: int, log=sys.stderr) -> DraftVocab:
-    """The ``n`` most frequent tokens of the UTF-8 text file ``corpus``."""
+def from_corpus(tok, corpus: "str | os.PathLike[str]", n: int, log=sys.stderr,
+                prog: str = "fle-engine") -> DraftVocab:
+    """The ``n`` most frequent tokens of the UTF-8 text file ``corpus``
+    (a note on ``log`` when it has fewer distinct ones)."""
     from fle_quant.textio import read_text_file
 
     label = os.fspath(corpus)
@@ -151,7 +153,7 @@ def from_corpus(tok, corpus: "str | os.PathLike[str]", n: int, log=sys.stderr) -
     if not ids:
         raise FleError(f"{label}: no tokens in it; give a text of the kind you will generate")
     if len(ids) < n and log is not None:
-        print(f"fle-engine: note: {label} has only {len(ids)} distinct tokens ({total} in all); the draft "
+        print(f"{prog}: note: {label} has only {len(ids)} distinct tokens ({total} in all); the draft "
               f"vocabulary holds those {len(ids)}, not {n}", file=log)
     vocab = DraftVocab(ids, label)
     vocab.total, vocab.coverage = total, covered / total
@@ -262,7 +264,7 @@ def main(argv: "list[str] | None" = None) -> int:
         declare_inputs(args.model, args.corpus)
         check_outputs([args.output], args.force)
         tok = Tokenizer.from_gguf(args.model)
-        vocab = from_corpus(tok, args.corpus, args.tokens)
+        vocab = from_corpus(tok, args.corpus, args.tokens, prog="fle_engine.draft_vocab")
         write_list(args.output, vocab, [
             f"fle draft vocabulary: the {len(vocab)} most frequent tokens, most frequent first",
             f"corpus {os.path.basename(args.corpus)} ({vocab.total} tokens), tokenizer of "
