@@ -55,7 +55,20 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "same tokens, fewer trunk steps when drafts are right")
     p.add_argument("--mtp-head", default=None, metavar="FILE", help="a separate MTP-head GGUF (implies --mtp)")
     p.add_argument("--draft-max", type=int, default=2, dest="draft_max",
-                   help="with --mtp: tokens drafted ahead per trunk call (default: 2)")
+                   help="with --mtp: tokens drafted ahead per trunk call (default: 2); with --draft-adaptive "
+                        "the most")
+    p.add_argument("--draft-adaptive", action="store_true", dest="draft_adaptive",
+                   help="generate --mtp: pick each step's draft count, 0 to --draft-max, for the most expected "
+                        "tokens per second, from the acceptance by draft position and the trunk-call times by "
+                        "size measured during the run")
+    p.add_argument("--draft-vocab", default=None, metavar="N|FILE", dest="draft_vocab",
+                   help="generate --mtp: draft only tokens of a list, the MTP head computing only those output "
+                        "rows; FILE: a list (one token id per line, or JSON; make one with python -m "
+                        "fle_engine.draft_vocab MODEL CORPUS -n N -o FILE); N: the N most frequent tokens of "
+                        "--draft-vocab-corpus. The output is the same; fewer drafts may be accepted")
+    p.add_argument("--draft-vocab-corpus", default=None, metavar="FILE", dest="draft_vocab_corpus",
+                   help="with --draft-vocab N: UTF-8 text, tokenised with the model's tokenizer, whose N most "
+                        "frequent tokens are the list")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -138,7 +151,7 @@ def _generate(args) -> int:
 
     from .loader import load
     from .sampling import Sampler, SamplerParams, generate_tokens
-    from .speculative import SpecStats, generate_speculative
+    from .speculative import AdaptiveDraft, SpecStats, generate_speculative
     from .tokenizer import Tokenizer
 
     if args.n_predict < 1:
@@ -147,11 +160,12 @@ def _generate(args) -> int:
         if args.threads < 1:
             raise FleError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    declare_inputs(args.model, args.mtp_head)
+    declare_inputs(args.model, args.mtp_head, args.draft_vocab_corpus)
     check_outputs([args.stats_json], True)
     device = resolve_device(args.device)
     sampler = Sampler(SamplerParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed))
     tok = Tokenizer.from_gguf(args.model)
+    vocab = _draft_options(args, tok)
     prompt = _prompt_tokens(tok, args)
     if not prompt:
         raise FleError("the prompt tokenizes to nothing; give a non-empty --prompt")
@@ -171,23 +185,42 @@ def _generate(args) -> int:
                 raise FleError(f"{args.model}: FLE runs no MTP head for {model.arch} models")
             model.net.load_mtp(args.mtp_head)
         spec = SpecStats()
-        if args.draft_max < 1:
-            raise FleError(f"--draft-max must be at least 1, got {args.draft_max}")
+        policy = AdaptiveDraft(args.draft_max) if args.draft_adaptive else None
         tokens = generate_speculative(model, prompt, args.n_predict, sampler, stop=tok.eog_ids,
-                                      n_draft=args.draft_max, stats=spec)
+                                      n_draft=args.draft_max, stats=spec, vocab=vocab, adaptive=policy)
     else:
         tokens = generate_tokens(model, prompt, args.n_predict, sampler, stop=tok.eog_ids)
     t0 = time.perf_counter()
     n, stopped = _print_tokens(tokens, tok, args.special)
     dt = time.perf_counter() - t0
     why = "end of generation" if stopped else f"{args.n_predict} tokens"
-    drafts = "" if spec is None else (f", MTP drafts accepted {spec.accepted}/{spec.drafted} "
-                                      f"({100 * spec.acceptance:.1f} %), {spec.trunk_calls} trunk calls")
+    drafts = ""
+    if spec is not None:
+        drafts = (f", MTP drafts accepted {spec.accepted}/{spec.drafted} ({100 * spec.acceptance:.1f} %)"
+                  f"{'' if vocab is None else f' from a draft vocabulary of {len(vocab)} tokens'}, "
+                  f"{spec.trunk_calls} trunk calls")
     print(f"[prompt {len(prompt)} tokens, generated {n} tokens ({why}), {dt:.2f} s, "
           f"seed {sampler.seed}{drafts}]", file=sys.stderr)
     if spec is not None and spec.line():
         print(f"[{spec.line()}]", file=sys.stderr)
+    if spec is not None and args.draft_adaptive:
+        print(f"[{spec.steps_line()}; {policy.line()}]", file=sys.stderr)
     return 0
+
+
+def _draft_options(args, tok):
+    """Check the MTP drafting options; the draft vocabulary they ask for
+    (a :class:`~fle_engine.draft_vocab.DraftVocab`) or None."""
+    from .draft_vocab import resolve
+
+    mtp = args.mtp or args.mtp_head
+    if mtp and args.draft_max < 1:
+        raise FleError(f"--draft-max must be at least 1, got {args.draft_max}")
+    for flag, given in (("--draft-adaptive", args.draft_adaptive), ("--draft-vocab", args.draft_vocab),
+                        ("--draft-vocab-corpus", args.draft_vocab_corpus)):
+        if given and not mtp:
+            raise FleError(f"{flag} drafts with the MTP head: add --mtp (or --mtp-head FILE)")
+    return resolve(args.draft_vocab, args.draft_vocab_corpus, tok) if mtp else None
 
 
 def _print_tokens(tokens, tok, special: bool) -> tuple[int, bool]:
@@ -302,6 +335,10 @@ def _generate_engine(args, tok, prompt, sampler) -> int:
 def _serve(args) -> int:
     from .server import serve
 
+    for flag, given in (("--draft-adaptive", args.draft_adaptive), ("--draft-vocab", args.draft_vocab),
+                        ("--draft-vocab-corpus", args.draft_vocab_corpus)):
+        if given:
+            raise FleError(f"{flag} works with fle-engine generate for now; serve does not take it yet")
     declare_inputs(args.model, args.mtp_head)
     device = resolve_device(args.device)
     runtime = None

@@ -58,7 +58,8 @@ def _net(model):
     return net
 
 
-def draft(model, state, next_token: "int | None" = None, n_draft: int = 1) -> tuple[Tensor, Tensor]:
+def draft(model, state, next_token: "int | None" = None, n_draft: int = 1,
+          vocab=None) -> tuple[Tensor, Tensor]:
     """(draft tokens [n_draft] int64, their logits [n_draft, V]) for the
     positions after the next token: ``next_token`` when it is known
     (sampled), else the trunk's greedy choice. The first draft comes from the
@@ -66,7 +67,9 @@ def draft(model, state, next_token: "int | None" = None, n_draft: int = 1) -> tu
     and the previous draft, one position on. ``state`` must come from
     ``new_state`` after the head was loaded, and the trunk must have run on
     it; drafting twice without a trunk step in between gives the same
-    drafts."""
+    drafts. ``vocab`` (a :class:`~fle_engine.draft_vocab.DraftVocab`): the
+    head computes only the output rows of the list's tokens, so every draft
+    is one of them; the logits returned are then -inf outside the list."""
     net = _net(model)
     head, mtp = net.mtp, state.mtp
     if head is None or mtp is None:
@@ -75,6 +78,15 @@ def draft(model, state, next_token: "int | None" = None, n_draft: int = 1) -> tu
         raise FleError("draft needs the trunk to have processed at least one token of this state")
     if n_draft < 1:
         raise FleError(f"n_draft must be at least 1, got {n_draft}")
+    ids = None
+    if vocab is not None:
+        head = vocab.head(head)                 # the same head, its output projection cut to the list's rows
+        ids = vocab.tensor(head.output.device)
+
+    def pick(lg: Tensor) -> Tensor:
+        best = lg.argmax(-1)
+        return best if ids is None else ids[best]
+
     with torch.inference_mode():
         hidden = torch.cat(mtp.queue_h)
         tokens = torch.cat(mtp.queue_tok)
@@ -87,7 +99,7 @@ def draft(model, state, next_token: "int | None" = None, n_draft: int = 1) -> tu
         positions = torch.arange(mtp.pos, mtp.pos + n, device=hidden.device)
         logits, h = head(hidden, nxt, mtp.cache, positions, state.rope_cos, state.rope_sin, return_hidden=True)
         out_logits = [logits[-1:]]
-        drafts = [logits[-1:].argmax(-1)]
+        drafts = [pick(logits[-1:])]
         last = mtp.pos + n - 1
         for i in range(1, n_draft):
             # provisional cells past the settled ones: rewritten by later drafts
@@ -96,11 +108,16 @@ def draft(model, state, next_token: "int | None" = None, n_draft: int = 1) -> tu
             pos = torch.arange(last + i, last + i + 1, device=hidden.device)
             lg, h = head(h[-1:], drafts[-1], mtp.cache, pos, state.rope_cos, state.rope_sin, return_hidden=True)
             out_logits.append(lg)
-            drafts.append(lg.argmax(-1))
+            drafts.append(pick(lg))
+        drafts, out_logits = torch.cat(drafts), torch.cat(out_logits)
+        if ids is not None:
+            full = out_logits.new_full((out_logits.shape[0], net.mtp.output.shape[0]), float("-inf"))
+            full[:, ids] = out_logits
+            out_logits = full
     # the last pair used a guessed token: keep it queued, to redo once the real one is known
     mtp.queue_h, mtp.queue_tok = [hidden[-1:]], [tokens[-1:]]
     mtp.pos += n - 1
-    return torch.cat(drafts), torch.cat(out_logits)
+    return drafts, out_logits
 
 
 def head_logits(model, state, hidden: Tensor, next_tokens) -> Tensor:

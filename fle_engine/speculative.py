@@ -17,10 +17,16 @@ forward call changes in place otherwise -- the position counter, the gated
 delta net's conv and recurrent state, the PLE token and conv history, the
 MTP head's queue -- is copied before the check and written back on a
 rejection.
+
+Adaptive draft count (:class:`AdaptiveDraft`): each step drafts the n in
+0 .. n_max that maximises the expected tokens per second E(n) / T(n), from
+the measured acceptance per draft position and the measured times of trunk
+calls and drafting by size (:func:`best_draft_count`, a pure function).
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -32,7 +38,8 @@ from fle_quant.errors import FleError
 from . import layers as L
 from .mtp import draft
 
-__all__ = ["SpecStats", "snapshot", "restore", "generate_speculative"]
+__all__ = ["SpecStats", "snapshot", "restore", "generate_speculative", "AdaptiveDraft", "best_draft_count",
+           "expected_tokens", "expected_step_time"]
 
 
 def _tensor_fields(obj) -> dict[str, Tensor]:
@@ -79,6 +86,17 @@ class SpecStats:
     # per draft position: the checks that reached it (every draft before it right) and the right ones
     reached: list = field(default_factory=list)
     right: list = field(default_factory=list)
+    steps: list = field(default_factory=list)     # steps[n]: decode steps that drafted n tokens
+
+    def _step(self, n: int) -> None:
+        while len(self.steps) <= n:
+            self.steps.append(0)
+        self.steps[n] += 1
+
+    def steps_line(self) -> str:
+        """``drafts per step: 0 x 3, 1 x 5, 2 x 40`` (counts that occurred)."""
+        per = ", ".join(f"{n} x {c}" for n, c in enumerate(self.steps) if c)
+        return f"drafts per step: {per}" if per else ""
 
     @property
     def acceptance(self) -> float:
@@ -102,13 +120,157 @@ class SpecStats:
         self.right[i] += int(ok)
 
 
+def expected_tokens(accept: Sequence[float], n: int) -> float:
+    """E(n) = 1 + sum over k <= n of accept[0] * ... * accept[k-1]: the
+    tokens a step drafting ``n`` emits on average (the drafts kept, then the
+    trunk's own token after them), ``accept[k]`` being the acceptance of
+    draft k + 1 given the drafts before it were right (0 past the list)."""
+    e = p = 1.0
+    for k in range(n):
+        p *= accept[k] if k < len(accept) else 0.0
+        e += p
+    return e
+
+
+def expected_step_time(accept: Sequence[float], n: int, trunk_cost, draft_cost=None) -> float:
+    """T(n): the expected seconds of a step drafting ``n``: drafting
+    (``draft_cost[n]``, none for n = 0), the trunk call over the next token
+    and the n drafts (``trunk_cost[n + 1]``) and, when draft m + 1 is
+    rejected (m < n kept), the call over the m + 1 kept tokens that settles
+    the rolled-back state (``trunk_cost[m + 1]``). ``trunk_cost[s]``: the
+    seconds of a trunk call over s tokens (a mapping or a sequence)."""
+    t = float(trunk_cost[n + 1]) + (float(draft_cost[n]) if n and draft_cost is not None else 0.0)
+    p = 1.0
+    for m in range(n):
+        a = accept[m] if m < len(accept) else 0.0
+        t += p * (1.0 - a) * float(trunk_cost[m + 1])
+        p *= a
+    return t
+
+
+def best_draft_count(accept: Sequence[float], trunk_cost, n_max: int, draft_cost=None) -> int:
+    """The n in 0 .. ``n_max`` with the most expected tokens per second,
+    E(n) / T(n) (:func:`expected_tokens`, :func:`expected_step_time`); a
+    tie goes to the smaller n."""
+    best, best_rate = 0, -1.0
+    for n in range(n_max + 1):
+        t = expected_step_time(accept, n, trunk_cost, draft_cost)
+        rate = expected_tokens(accept, n) / t if t > 0 else float("inf")
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = n, rate
+    return best
+
+
+class _Costs:
+    """Smoothed seconds by size (exponential average), and an estimate for
+    sizes not measured yet: the line through the measured ones (at least
+    the cost of a smaller measured size), or the one measured cost."""
+
+    def __init__(self, alpha: float, per_unit: bool = False):
+        self.alpha, self.per_unit, self.t = alpha, per_unit, {}
+
+    def add(self, size: int, seconds: float) -> None:
+        old = self.t.get(size)
+        self.t[size] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def __bool__(self) -> bool:
+        return bool(self.t)
+
+    def __getitem__(self, size: int) -> float:
+        if size in self.t:
+            return self.t[size]
+        if not self.t:
+            return 0.0
+        if self.per_unit:                      # drafting: each draft one head call
+            return size * sum(v / k for k, v in self.t.items()) / len(self.t)
+        xs = np.array(sorted(self.t), dtype=float)
+        ys = np.array([self.t[int(x)] for x in xs])
+        below = ys[xs < size]
+        floor = float(below.max()) if below.size else 0.0
+        if xs.size == 1:
+            return max(float(ys[0]), floor)
+        slope, icept = np.polyfit(xs, ys, 1)
+        return max(float(icept + slope * size), floor, 0.0)
+
+
+class AdaptiveDraft:
+    """Picks each step's draft count in 0 .. ``n_max`` with
+    :func:`best_draft_count`, from what the run measures: the acceptance per
+    draft position (counts decayed over about ``window`` steps; a position
+    with few checks leans on the one before it, the first on ``prior``) and
+    the seconds of trunk calls by size and of drafting by count, smoothed
+    (``alpha``). Every ``probe_every``-th step drafts one more than the best
+    (at most ``n_max``), so that a position or size judged poor once is
+    measured again. The first step drafts ``n_max``."""
+
+    def __init__(self, n_max: int, window: float = 64.0, alpha: float = 0.25, probe_every: int = 8,
+                 prior: float = 0.5, prior_weight: float = 2.0):
+        if n_max < 1:
+            raise FleError(f"the most drafted tokens must be at least 1, got {n_max}")
+        self.n_max, self.decay, self.probe_every = n_max, 1.0 - 1.0 / window, probe_every
+        self.prior, self.prior_weight = prior, prior_weight
+        self.right = [0.0] * n_max
+        self.reached = [0.0] * n_max
+        self.trunk = _Costs(alpha)
+        self.drafting = _Costs(alpha, per_unit=True)
+        self.step = 0
+
+    def acceptance(self) -> list[float]:
+        out, prev = [], self.prior
+        for r, n in zip(self.right, self.reached):
+            prev = (r + self.prior_weight * prev) / (n + self.prior_weight)
+            out.append(prev)
+        return out
+
+    def choose(self) -> int:
+        self.step += 1
+        if not self.trunk:
+            return self.n_max
+        n = best_draft_count(self.acceptance(), self.trunk, self.n_max, self.drafting)
+        if self.probe_every and self.step % self.probe_every == 0:
+            n = min(n + 1, self.n_max)
+        return n
+
+    def observe(self, checks: Sequence[bool]) -> None:
+        """A step's checks, draft by draft: right, right, ..., then wrong or
+        the end of the drafts."""
+        if not checks:
+            return
+        self.right = [r * self.decay for r in self.right]
+        self.reached = [n * self.decay for n in self.reached]
+        for i, ok in enumerate(checks[:self.n_max]):
+            self.reached[i] += 1.0
+            self.right[i] += float(ok)
+
+    def time_trunk(self, size: int, seconds: float) -> None:
+        self.trunk.add(size, seconds)
+
+    def time_draft(self, n: int, seconds: float) -> None:
+        if n:
+            self.drafting.add(n, seconds)
+
+    def line(self) -> str:
+        acc = " / ".join(f"{100 * a:.0f}" for a in self.acceptance())
+        trunk = " / ".join(f"{1e3 * self.trunk[s]:.1f}" for s in range(1, self.n_max + 2))
+        dr = " / ".join(f"{1e3 * self.drafting[n]:.1f}" for n in range(1, self.n_max + 1))
+        return (f"adaptive drafting: acceptance by position {acc} %, trunk call of 1..{self.n_max + 1} tokens "
+                f"{trunk} ms, drafting 1..{self.n_max} {dr} ms, best now {self._best()}")
+
+    def _best(self) -> int:
+        return best_draft_count(self.acceptance(), self.trunk, self.n_max, self.drafting) if self.trunk else self.n_max
+
+
 def generate_speculative(model, prompt: Sequence[int], n_predict: int, sampler: Callable[[np.ndarray], int],
                          stop: Iterable[int] = (), n_batch: int = 512, n_draft: int = 1,
-                         stats: "SpecStats | None" = None) -> Iterator[int]:
+                         stats: "SpecStats | None" = None, vocab=None,
+                         adaptive: "bool | AdaptiveDraft | None" = None) -> Iterator[int]:
     """Like :func:`fle_engine.sampling.generate_tokens`, drafting up to
     ``n_draft`` tokens ahead with the model's MTP head (loaded inside the
     model file or with ``load_mtp``) and checking them in one trunk call.
-    ``stats`` (optional) counts drafts and acceptances."""
+    ``stats`` (optional) counts drafts and acceptances. ``vocab`` (a
+    :class:`~fle_engine.draft_vocab.DraftVocab`): drafts only from its
+    tokens. ``adaptive``: True, or an :class:`AdaptiveDraft`, picks each
+    step's count up to ``n_draft`` (an AdaptiveDraft's own ``n_max``)."""
     net = model.net
     if getattr(net, "mtp", None) is None:
         raise FleError(f"{model.path}: no MTP head loaded; speculative decoding needs one "
@@ -120,9 +282,24 @@ def generate_speculative(model, prompt: Sequence[int], n_predict: int, sampler: 
         raise FleError(f"the number of tokens to generate must be at least 1, got {n_predict}")
     if n_draft < 1:
         raise FleError(f"the number of drafted tokens must be at least 1, got {n_draft}")
+    policy = AdaptiveDraft(n_draft) if adaptive is True else (adaptive or None)
+    n_max = policy.n_max if policy is not None else n_draft
     stop = frozenset(int(t) for t in stop)
     stats = stats if stats is not None else SpecStats()
-    state = model.new_state(len(prompt) + n_predict + n_draft)
+    state = model.new_state(len(prompt) + n_predict + n_max)
+    clock = time.perf_counter
+
+    def trunk(tokens: list, rows: bool = True):
+        """The trunk over ``tokens``: its logits as host float32 rows (with
+        ``rows``), timed for the policy."""
+        t0 = clock()
+        logits = model.forward(tokens, state)
+        out = logits.float().cpu().numpy() if rows else logits[-1:, :1].cpu()     # on the host: synchronised
+        if policy is not None:
+            policy.time_trunk(len(tokens), clock() - t0)
+        stats.trunk_calls += 1
+        return out
+
     for s in range(0, len(prompt), n_batch):
         out = model.forward(prompt[s:s + n_batch], state)
     tok = sampler(out[-1].float().cpu().numpy())
@@ -130,26 +307,31 @@ def generate_speculative(model, prompt: Sequence[int], n_predict: int, sampler: 
     yield tok
     while tok not in stop and n < n_predict:
         # a check of k drafts emits up to k + 1 tokens: draft no more than are still wanted
-        k = min(n_draft, n_predict - n - 1)
-        drafts = draft(model, state, next_token=tok, n_draft=k)[0].tolist() if k else []
-        stats.drafted += len(drafts)
+        k = min(policy.choose() if policy is not None else n_draft, n_predict - n - 1)
+        t0 = clock()
+        drafts = draft(model, state, next_token=tok, n_draft=k, vocab=vocab)[0].tolist() if k else []
         snap = snapshot(state) if drafts else None
-        logits = model.forward([tok] + drafts, state)
-        stats.trunk_calls += 1
-        accepted = 0
+        if policy is not None:
+            policy.time_draft(len(drafts), clock() - t0)
+        stats.drafted += len(drafts)
+        stats._step(len(drafts))
+        logits = trunk([tok] + drafts)
+        accepted, checks = 0, []
         for i in range(len(drafts) + 1):
-            u = sampler(logits[i].float().cpu().numpy())
+            u = sampler(logits[i])
             n += 1
             if i < len(drafts):
-                stats._check(i, u == drafts[i])
+                checks.append(u == drafts[i])
+                stats._check(i, checks[-1])
             yield u
             if i < len(drafts) and u == drafts[i] and u not in stop and n < n_predict:
                 accepted += 1
                 continue
             break
         stats.accepted += accepted
+        if policy is not None:
+            policy.observe(checks)
         if accepted < len(drafts):
             restore(state, snap)
-            model.forward([tok] + drafts[:accepted], state)     # settle what was kept
-            stats.trunk_calls += 1
+            trunk([tok] + drafts[:accepted], rows=False)     # settle what was kept
         tok = u

@@ -54,7 +54,7 @@ def test_always_right_drafts(model, monkeypatch, n_draft):
     want = list(generate_tokens(model, prompt(model), N, greedy))
     seq = prompt(model) + want
 
-    def oracle(m, state, next_token=None, n_draft=1):
+    def oracle(m, state, next_token=None, n_draft=1, vocab=None):
         # the tokens after next, from the plain greedy run
         return torch.tensor(seq[state.length + 1:state.length + 1 + n_draft]), None
 
@@ -75,7 +75,7 @@ def test_wrong_second_draft_keeps_the_first(model, monkeypatch):
     want = list(generate_tokens(model, prompt(model), N, greedy))
     seq = prompt(model) + want
 
-    def half_right(m, state, next_token=None, n_draft=1):
+    def half_right(m, state, next_token=None, n_draft=1, vocab=None):
         right = seq[state.length + 1:state.length + 1 + n_draft]
         return torch.tensor([right[0]] + [(t + 1) % m.n_vocab for t in right[1:]]), None
 
