@@ -38,6 +38,18 @@ def model_file(tmp_path_factory):
                       routing_skew=1.0)
 
 
+@pytest.fixture(scope="module")
+def next_file(tmp_path_factory):
+    """qwen3next: GDN layers (recurrent state), gated attention, a shared expert."""
+    return make_model(tmp_path_factory.mktemp("verify_next") / "n.gguf", "qwen3next", seed=4, mix="release",
+                      routing_skew=1.0)
+
+
+@pytest.fixture(params=["qwen3moe", "qwen3next"])
+def arch_file(request, model_file, next_file):
+    return model_file if request.param == "qwen3moe" else next_file
+
+
 def _engine(path, budget=0, **kw):
     return Engine(path, device=DEVICE, cache_budget=budget, ctx_size=64, cache_type_k="f32", cache_type_v="f32",
                   profile_path="none", progress=False, log=lambda m: None, **kw)
@@ -58,38 +70,46 @@ def _single_steps(eng, tokens):
 
 
 @pytest.mark.parametrize("n_tok", [2, 3, 4])
-def test_verify_step_equals_single_steps(model_file, n_tok):
+def test_verify_step_equals_single_steps(arch_file, n_tok):
     """At position 6 (after a prompt), a step of T tokens gives the greedy
     tokens and logits of T one-token steps fed the same tokens (teacher
-    forcing); with two slots per layer some experts hit and some miss."""
-    eng = _engine(model_file, 2 * _one_expert_per_layer(model_file))
+    forcing); with two slots per layer some experts hit and some miss. The
+    one-token steps run in a second engine that saw the same prompt (on
+    qwen3next the verify step has advanced the GDN states past the prompt)."""
+    eng = _engine(arch_file, 2 * _one_expert_per_layer(arch_file))
     g = eng.generate(PROMPT, 1)
     feed = g + DRAFTS[:n_tok - 1]
     got = eng.verify_step(feed)
     got_logits = eng.state.multi.logits[:n_tok].float().cpu().clone()
     assert eng.launched == len(PROMPT) + n_tok and int(eng.state.pos) == len(PROMPT) + n_tok
-    eng.rewind(n_tok)
-    want, want_logits = _single_steps(eng, feed)
+    eng.close()
+    ref = _engine(arch_file, 2 * _one_expert_per_layer(arch_file))
+    assert ref.generate(PROMPT, 1) == g
+    want, want_logits = _single_steps(ref, feed)
     assert got == want
     _close(got_logits, want_logits)
-    eng.close()
+    ref.close()
 
 
-def test_rewind_then_continue_equals_a_fresh_run(model_file):
-    """Drafts rejected after the first: rewind drops their positions, and
-    the next verify step (which writes those positions again) equals the
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_rewind_then_continue_equals_a_fresh_run(arch_file, keep):
+    """Drafts rejected after the first ``keep - 1``: rewind drops their
+    positions (on qwen3next it puts the GDN states back to the verify step's
+    snapshot after its kept tokens), and the next verify step equals the
     same step in a fresh run that never saw the rejected drafts."""
-    eng = _engine(model_file)
+    eng = _engine(arch_file)
     g = eng.generate(PROMPT, 1)
-    out = eng.verify_step(g + DRAFTS)                # drafts 1 and 2 taken as rejected
-    eng.rewind(2)                                    # keep g and DRAFTS[0]
-    nxt = [out[1], 5, 6]
+    out = eng.verify_step(g + DRAFTS)                # T = 4; drafts keep .. 3 taken as rejected
+    eng.rewind(4 - keep)
+    assert eng.launched == len(PROMPT) + keep
+    nxt = [out[keep - 1], 5, 6]
     got = eng.verify_step(nxt)
     got_logits = eng.state.multi.logits[:3].float().cpu().clone()
     eng.close()
 
-    fresh = _engine(model_file)
-    assert fresh.generate(PROMPT + g + DRAFTS[:1], 1) == [out[1]]
+    fresh = _engine(arch_file)
+    kept = (g + DRAFTS)[:keep]
+    assert fresh.generate(PROMPT + kept, 1) == [out[keep - 1]]
     assert fresh.verify_step(nxt) == got
     _close(fresh.state.multi.logits[:3].float().cpu(), got_logits)
     fresh.close()
@@ -104,13 +124,29 @@ def test_verify_step_arguments(model_file, tmp_path):
     with pytest.raises(FleError, match="rewind by 99"):
         eng.rewind(99)
     eng.close()
-    nxt = make_model(tmp_path / "n.gguf", "qwen3next", seed=4, mix="release", routing_skew=1.0)
-    eng = _engine(nxt)
+
+def test_rewind_on_recurrent_state_is_bounded(next_file, tmp_path):
+    """GDN states can only be put back within the verify step that just ran:
+    not after a one-token step, not by T or more, not twice; qwen4exp has no
+    T-token step yet and says so."""
+    eng = _engine(next_file)
     eng.generate(PROMPT, 1)
     with pytest.raises(FleError, match="recurrent"):
-        eng.verify_step([1, 2])
+        eng.rewind(1)                                # after decode steps: no snapshot
+    out = eng.verify_step([3, 4, 5])
     with pytest.raises(FleError, match="recurrent"):
-        eng.rewind(1)
+        eng.rewind(3)                                # T = 3: at most 2
+    eng.rewind(2)
+    with pytest.raises(FleError, match="recurrent"):
+        eng.rewind(1)                                # the snapshots are spent
+    eng.rewind(0)
+    assert len(out) == 3 and eng.launched == len(PROMPT) + 1
+    eng.close()
+    q4 = make_model(tmp_path / "q4.gguf", "qwen4exp", seed=5, mix="release", routing_skew=1.0)
+    eng = _engine(q4)
+    eng.generate(PROMPT, 1)
+    with pytest.raises(FleError, match="hyper-connections"):
+        eng.verify_step([1, 2])
     eng.close()
 
 

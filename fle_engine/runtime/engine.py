@@ -485,6 +485,7 @@ class Engine:
         self.length = 0
         self.history = []
         self._last_tok = None
+        self._multi_at = None
 
     def _reuse(self, prompt: list[int]) -> int:
         """How many leading tokens of ``prompt`` the sequence in the state
@@ -686,12 +687,14 @@ class Engine:
         the positions the step itself is about to write, and the position
         is put back after each."""
         st = self.state
+        backup = self.net.recurrent_backup(st)     # the eager runs advance GDN states: put back after each
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
                 self.net.step_multi(st, self.ops, self.cache, n)
                 st.pos.sub_(n)
+                self.net.recurrent_restore(st, backup)
         torch.cuda.current_stream(self.device).wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._multi_pool):
@@ -736,6 +739,7 @@ class Engine:
             self._launch(toks[0])
             out = [self._consume()]
             self.length = self.launched + 1
+            self._multi_at = None
             return out
         self._multi_ready()
         st, k = self.state, self.args.n_expert_used
@@ -756,15 +760,17 @@ class Engine:
         self.consumed += n
         self.length = self.launched + 1
         self.cache.observe(self._multi_ids[:, :n * k].numpy(), self._multi_hits[:, :n * k].numpy())
+        self._multi_at = (self.launched, n)        # what a rewind of a recurrent net may undo
         return self._multi_tok_out[:n].tolist()
 
     def rewind(self, n: int) -> None:
         """Move the position back by ``n`` (the rejected drafts of the last
         verify step): the KV cache is addressed by position, so the dropped
-        positions are simply written again by later steps. Nets with
-        recurrent state (qwen3next, qwen4exp) would need a snapshot before
-        the verify step and its restore here, which is not done yet: they
-        are refused."""
+        positions are simply written again by later steps. On nets with
+        recurrent state (qwen3next's GDN layers) ``n`` must be below the
+        last verify step's T, right after it: the states are put back to the
+        snapshots that step kept after each of its tokens (the kept tokens
+        are not run again)."""
         n = int(n)
         why = self.net.multi_unsupported()
         if why:
@@ -773,11 +779,18 @@ class Engine:
             raise FleError(f"rewind by {n}: the sequence has {self.launched} positions")
         if self.launched != self.consumed:
             raise FleError("internal: rewind while steps are in flight")
+        if n and not getattr(self.net, "positional_state", True):
+            last = getattr(self, "_multi_at", None)
+            if last is None or last[0] != self.launched or n >= last[1]:
+                raise FleError(f"rewind by {n}: a net with recurrent state (GDN layers) can only drop up to T - 1 "
+                               f"tokens of the verify step that just ran (its states are snapshotted per token)")
+            self.net.restore_multi(self.state, last[1] - 1 - n)
         if n:
             self.state.pos.sub_(n)
             self.launched -= n
             self.consumed -= n
             self.length = self.launched + 1
+        self._multi_at = None
 
     def step_cost(self, n_tok: int, reps: int = 20, seed: int = 0) -> dict:
         """The T = ``n_tok`` step measured at the current position with the
@@ -805,6 +818,9 @@ class Engine:
         ids = torch.zeros(reps + 1, *ids_log.shape, dtype=torch.int32, device=dev)
         hits = torch.zeros_like(ids)
 
+        backup = self.net.recurrent_backup(st)      # GDN states are put back after each replay too
+        self._multi_at = None                       # the replays overwrite the verify step's snapshots
+
         def once(i: int) -> None:
             if n == 1:
                 st.tok.copy_(toks[i])
@@ -813,6 +829,7 @@ class Engine:
                 st.toks[:n].copy_(toks[i])
                 self._run_multi(n)
             st.pos.sub_(n)
+            self.net.recurrent_restore(st, backup)
             ids[i].copy_(ids_log)
             hits[i].copy_(hit_log)
 

@@ -413,12 +413,19 @@ class Net:
     # the verify step: T tokens in one pass -------------------------------------------
     def multi_unsupported(self) -> "str | None":
         """Why :meth:`step_multi` cannot run on this net, or None."""
-        if type(self) is not Net:
-            return (f"{self.args.arch}: a step of several tokens runs on qwen3moe's layers only; recurrent layers "
-                    f"(gated delta net) would need their state snapshotted before it and restored on a rewind")
-        if any(L.moe.shared is not None for L in self.layers):
-            return f"{self.args.arch}: a step of several tokens has no shared-expert path yet"
         return None
+
+    # recurrent state (none here: the KV cache is addressed by position) ---------------------
+    def recurrent_backup(self, state) -> list:
+        """Copies of the state that a step changes other than by position (none for qwen3moe)."""
+        return []
+
+    def recurrent_restore(self, state, backup: list) -> None:
+        """Put back what :meth:`recurrent_backup` copied."""
+
+    def restore_multi(self, state, t: int) -> None:
+        """The recurrent state as it was after token ``t`` of the last
+        :meth:`step_multi` (nothing to do here: a rewind moves the position)."""
 
     def alloc_multi(self, state, t_max: int) -> None:
         """Buffers of :meth:`step_multi` for up to ``t_max`` tokens (static
@@ -431,7 +438,8 @@ class Net:
         m = state.multi = SimpleNamespace(t_max=t_max)
         m.x = torch.zeros(t_max, a.n_embd, **f32)
         m.xn = torch.zeros(t_max, a.n_embd, **f32)
-        m.qkv = torch.zeros(t_max, (a.n_head + 2 * a.n_head_kv) * hd, **f32)
+        gated = any(isinstance(L.mixer, Attn) and L.mixer.gated for L in self.layers)
+        m.qkv = torch.zeros(t_max, (2 * a.n_head * gated + a.n_head + 2 * a.n_head_kv) * hd, **f32)
         m.q = torch.zeros(t_max, a.n_head * hd, **f32)
         m.o = torch.zeros(t_max, a.n_head * hd, **f32)
         m.attn_out = torch.zeros(t_max, 1, a.n_embd, **f32)
@@ -439,7 +447,13 @@ class Net:
         m.ids = torch.zeros(t_max, k, dtype=torch.int64, device=dev)
         m.wts = torch.zeros(t_max, k, **f32)
         m.h = torch.zeros(t_max * k, a.n_ff_exp, **f32)
-        m.y = torch.zeros(t_max, k, a.n_embd, **f32)                         # [T, K, D]: the parts of each token
+        m.y = torch.zeros(t_max, k, a.n_embd, **f32)                         # [T, K, D]: the routed parts of each token
+        if self._n_sh:
+            # with a shared expert the parts of a token are [K routed, shared], summed in the decode step's order
+            m.parts = torch.zeros(t_max, k + 1, a.n_embd, **f32)
+            m.sg = torch.zeros(t_max, a.n_ff_shexp, **f32)
+            m.su = torch.zeros(t_max, a.n_ff_shexp, **f32)
+            m.sgate = torch.zeros(t_max, 1, **f32)
         m.logits = torch.zeros(t_max, a.n_vocab, **f32)
         # per layer the routed ids of all T tokens (row-major [T, K]) and whether the map had them
         m.ids_log = torch.zeros(a.n_layer, t_max * k, dtype=torch.int32, device=dev)
@@ -472,7 +486,13 @@ class Net:
                              state.pos, a.n_head, a.n_head_kv, hd, a.n_rot, m.q[:n], kc, vc)
         ops.attention_multi(m.q[:n], kc, vc, state.pos, getattr(a, "attn_scale", hd ** -0.5), m.o[:n], m.partial,
                             m.ml)
+        if at.gated:
+            m.o[:n].mul_(torch.sigmoid(qkv[:, nq + 2 * nkv:2 * nq + 2 * nkv]))
         at.wo.matvec(m.o[:n], m.attn_out[:n].view(n, -1), impl)
+
+    def mix_multi(self, L: Layer, il: int, state, ops, n: int) -> None:
+        """The layer's token mixer for T tokens: m.xn [T, D] -> m.attn_out."""
+        self.attention_multi(L.mixer, il, state, ops, n)
 
     def moe_multi(self, mo: Moe, il: int, state, ops, cache, n: int) -> None:
         """m.xn [T, D] -> m.y [T, K, D]: the weighted routed experts of the T
@@ -500,6 +520,23 @@ class Net:
             st = cache.reference_store(il, lay.down_type)
             ops.experts_union(st, lay.down_type, 0, lay.down_offset // st.word, 0, a.n_embd, lay.down_row_bytes,
                               smap, ids, h, y, False, k, wts)
+        if mo.shared is not None:
+            impl = self.impl(state)
+            g, u, d = mo.shared
+            g.matvec(xn, m.sg[:n], impl)
+            u.matvec(xn, m.su[:n], impl)
+            m.sg[:n].copy_(F.silu(m.sg[:n]) * m.su[:n])
+            parts = m.parts[:n]
+            parts[:, :k].copy_(m.y[:n])
+            d.matvec(m.sg[:n], parts[:, k], impl)
+            if mo.shared_gate is not None:
+                torch.matmul(xn, mo.shared_gate.T, out=m.sgate[:n])
+                parts[:, k].mul_(torch.sigmoid(m.sgate[:n]))
+
+    def multi_parts(self, mo: Moe, state, n: int) -> Tensor:
+        """The parts that :meth:`moe_multi` wrote for T tokens: [T, K (+1), D]."""
+        m = state.multi
+        return m.parts[:n] if mo.shared is not None else m.y[:n]
 
     def step_multi(self, state, ops, cache, n: int) -> None:
         """T = ``n`` tokens in one pass (:meth:`alloc_multi` first): reads
@@ -519,11 +556,11 @@ class Net:
                 ops.embed_row(self.tok_embd.data, self.tok_embd.qtype, state.toks[t:t + 1], x[t])
         ops.add_rmsnorm(x, None, self.layers[0].attn_norm, a.eps, xn)
         for il, L in enumerate(self.layers):
-            self.attention_multi(L.mixer, il, state, ops, n)
+            self.mix_multi(L, il, state, ops, n)
             ops.add_rmsnorm(x, m.attn_out[:n], L.ffn_norm, a.eps, xn)
             self.moe_multi(L.moe, il, state, ops, cache, n)
             nxt = self.layers[il + 1].attn_norm if il + 1 < len(self.layers) else self.output_norm
-            ops.add_rmsnorm(x, m.y[:n], nxt, a.eps, xn)
+            ops.add_rmsnorm(x, self.multi_parts(L.moe, state, n), nxt, a.eps, xn)
         self.output.matvec(xn, m.logits[:n], self.impl(state))
         torch.argmax(m.logits[:n], dim=-1, out=state.next_toks[:n])
         state.pos.add_(n)

@@ -147,6 +147,72 @@ class Net(qwen3moe.Net):
         else:
             self.attention(L.mixer, il, state, ops)
 
+    # the verify step: T tokens in one pass, the GDN state snapshotted after each ---------------
+    def alloc_multi(self, state, t_max: int) -> None:
+        """:meth:`qwen3moe.Net.alloc_multi`, plus the GDN projections of T
+        tokens and, per GDN layer, the conv and delta-rule states after each
+        of the first T - 1 tokens (what a rewind restores)."""
+        super().alloc_multi(state, t_max)
+        a, m = self.args, state.multi
+        f32 = dict(dtype=torch.float32, device=self.device)
+        c, nz, nv = a.conv_dim, a.n_v_heads * a.d_state, a.n_v_heads
+        m.gproj = torch.zeros(t_max, c + nz + 2 * nv, **f32)
+        m.gconv = torch.zeros(t_max, c, **f32)
+        m.go = torch.zeros(t_max, nz, **f32)
+        m.snaps = {il: (torch.zeros(t_max - 1, *state.kv[il][0].shape, **f32),
+                        torch.zeros(t_max - 1, *state.kv[il][1].shape, **f32))
+                   for il, rec in enumerate(a.recurrent[:a.n_layer]) if rec}
+
+    def mix_multi(self, L: qwen3moe.Layer, il: int, state, ops, n: int) -> None:
+        if isinstance(L.mixer, GDN):
+            self.gdn_multi(L.mixer, il, state, ops, n)
+        else:
+            self.attention_multi(L.mixer, il, state, ops, n)
+
+    def gdn_multi(self, g: GDN, il: int, state, ops, n: int) -> None:
+        """T tokens of a GDN layer: the projections of all of them at once,
+        then the decode step's op (``gdn_step``) token by token, the states
+        after each of the first T - 1 copied into the layer's snapshots."""
+        a, m = self.args, state.multi
+        impl = self.impl(state)
+        c, nz, nv = a.conv_dim, a.n_v_heads * a.d_state, a.n_v_heads
+        xn, proj = m.xn[:n], m.gproj[:n]
+        if g.proj is not None:
+            g.proj.matvec(xn, proj, impl)
+        else:
+            off = 0
+            for mat in (g.qkv, g.z, g.b, g.a):
+                mat.matvec(xn, proj[:, off:off + mat.n_out], impl)
+                off += mat.n_out
+        conv_state, ssm = state.kv[il]
+        snap_conv, snap_ssm = m.snaps[il]
+        for t in range(n):
+            row = m.gproj[t]
+            ops.gdn_step(row[:c], row[c:c + nz], row[c + nz:c + nz + nv], row[c + nz + nv:], conv_state, g.conv,
+                         g.dt_bias, g.ssm_a, ssm, g.norm, a.eps, a.n_k_heads, self.gdn_tiled, self.gdn_sigmoid,
+                         m.gconv[t], m.go[t])
+            if t < n - 1:
+                snap_conv[t].copy_(conv_state)
+                snap_ssm[t].copy_(ssm)
+        g.out.matvec(m.go[:n], m.attn_out[:n].view(n, -1), impl)
+
+    def restore_multi(self, state, t: int) -> None:
+        """Every GDN layer's state as it was after token ``t`` (< T - 1) of
+        the last verify step."""
+        for il, (snap_conv, snap_ssm) in state.multi.snaps.items():
+            conv_state, ssm = state.kv[il]
+            conv_state.copy_(snap_conv[t])
+            ssm.copy_(snap_ssm[t])
+
+    def recurrent_backup(self, state) -> list:
+        return [(il, c[0].clone(), c[1].clone()) for il, (rec, c) in enumerate(zip(self.args.recurrent, state.kv))
+                if rec]
+
+    def recurrent_restore(self, state, backup: list) -> None:
+        for il, conv, ssm in backup:
+            state.kv[il][0].copy_(conv)
+            state.kv[il][1].copy_(ssm)
+
     # prefill (runtime.prefill) ----------------------------------------------------------
     def prefill_mixer(self, L: qwen3moe.Layer, il: int, xn: Tensor, out: Tensor, pos0: int, state, ops) -> None:
         if isinstance(L.mixer, GDN):

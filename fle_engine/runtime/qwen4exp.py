@@ -142,6 +142,10 @@ class Net(qwen3next.Net):
         self.ple_table = None
         super().__init__(gguf, weights_view, device, fast)
 
+    def multi_unsupported(self) -> "str | None":
+        return (f"{self.args.arch}: a step of several tokens has no form yet for hyper-connections, the PLE rows "
+                f"and the QSA indexer (qwen3moe and qwen3next files have it)")
+
     # loading -----------------------------------------------------------------------
     def load_head(self) -> None:
         a, g = self.args, self.gguf
