@@ -722,8 +722,9 @@ class Engine:
         Continues the sequence that :meth:`generate` (or earlier verify
         steps) left: after ``generate(prompt, 1)`` returned ``[g]``, pass
         ``[g, d1, ...]``. T = 1 is the plain decode step; T > 1 is the
-        qwen3moe net's :meth:`~fle_engine.runtime.qwen3moe.Net.step_multi`,
-        one CUDA graph per T (captured on first use) with CUDA and graphs.
+        net's :meth:`~fle_engine.runtime.qwen3moe.Net.step_multi` (qwen3moe;
+        qwen3next with its GDN layers run token by token inside the step and
+        their states snapshotted for :meth:`rewind`), one CUDA graph per T (captured on first use) with CUDA and graphs.
         The step's routed ids (T x K per layer, repeats counted) and hit
         flags go to the cache policy as one step, synchronously; every miss
         is read by the GPU (no CPU share of the misses in a verify step)."""
