@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    "rms_norm", "rope_table", "apply_rope_neox", "AttnCache", "attention", "swiglu", "MoE", "MoECapture",
-    "MoERecord", "GDNState", "causal_conv1d", "l2_norm", "gdn_recurrent", "gdn_chunked", "State",
+    "rms_norm", "rope_table", "apply_rope_neox", "AttnCache", "attention", "attention_batch", "stacked", "swiglu",
+    "MoE", "MoECapture", "MoERecord", "GDNState", "causal_conv1d", "l2_norm", "gdn_recurrent", "gdn_chunked", "State",
 ]
 
 
@@ -113,6 +113,58 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cache: AttnCache, positions: Tens
     probs = torch.softmax(scores.float(), dim=-1).to(cache.v.dtype)
     out = torch.matmul(probs, cache.v[:, None])                                # [Hkv, G, T, Dh]
     return out.permute(2, 0, 1, 3).reshape(n_tok, n_head * dh).to(q.dtype)
+
+
+def stacked(ts: list[Tensor]) -> Tensor | None:
+    """``[S, *shape]``: one view of ``ts`` when they are equally spaced,
+    non-overlapping slices of one buffer (slot states made as views of one
+    pool, see ``fle_engine.server``), with the longest's length on axis 1;
+    None otherwise (separate tensors). Reads nothing, copies nothing."""
+    t0 = ts[0]
+    if len(ts) < 2 or t0.dim() != 3:
+        return None
+    ptr, st, dt = t0.untyped_storage().data_ptr(), t0.stride(), t0.dtype
+    offs = [t.storage_offset() for t in ts]
+    step = offs[1] - offs[0]
+    if step < t0.shape[0] * st[0] or st[0] < max(t.shape[1] for t in ts) * st[1]:
+        return None
+    for i, t in enumerate(ts):
+        if (t.untyped_storage().data_ptr() != ptr or t.stride() != st or t.dtype != dt or t.device != t0.device
+                or t.shape[0] != t0.shape[0] or t.shape[2] != t0.shape[2] or offs[i] != offs[0] + i * step):
+            return None
+    n = max(t.shape[1] for t in ts)
+    return t0.as_strided((len(ts), t0.shape[0], n, t0.shape[2]), (step, *st), offs[0])
+
+
+def attention_batch(q: Tensor, k: Tensor, v: Tensor, caches: list, positions: list[Tensor], sizes: list[int],
+                    scale: float) -> Tensor:
+    """:func:`attention` of several sequences' new tokens (``q``, ``k``, ``v``
+    concatenated, ``sizes`` each), each against its cache, a
+    :func:`live_view` ending at its last new token. One new token per
+    sequence and caches that are views of one pool (:func:`stacked`): one
+    write, one score product and one softmax for all of them, a sequence
+    shorter than the longest masked past its end; otherwise one
+    :func:`attention` per sequence. Returns [T, H * Dh]."""
+    if len(sizes) > 1 and all(n == 1 for n in sizes):
+        kp, vp = stacked([c.k for c in caches]), stacked([c.v for c in caches])
+        if kp is not None and vp is not None:
+            n_seq, n_head, dh = q.shape
+            n_kv, n_pos = kp.shape[1], kp.shape[2]
+            rows = torch.arange(n_seq, device=q.device)
+            pos = torch.cat(positions)
+            kp.transpose(1, 2).index_put_((rows, pos), k.to(kp.dtype))              # [S, P, Hkv, Dh] view
+            vp.transpose(1, 2).index_put_((rows, pos), v.to(vp.dtype))
+            qh = q.reshape(n_seq, n_kv, n_head // n_kv, dh).to(kp.dtype)            # [S, Hkv, G, Dh]
+            scores = torch.matmul(qh, kp.transpose(-1, -2)) * scale                # [S, Hkv, G, P]
+            ends = [c.k.shape[1] for c in caches]
+            if min(ends) < n_pos:
+                past = torch.arange(n_pos, device=q.device)[None, :] >= torch.tensor(ends, device=q.device)[:, None]
+                scores = scores.masked_fill(past[:, None, None, :], float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(vp.dtype)
+            out = torch.matmul(probs, vp)                                          # [S, Hkv, G, Dh]
+            return out.reshape(n_seq, n_head * dh).to(q.dtype)
+    return torch.cat([attention(qi, ki, vi, c, p, scale, ends_here=True) for qi, ki, vi, c, p in
+                      zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, positions)])
 
 
 # ---------------------------------------------------------------------------

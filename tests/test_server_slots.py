@@ -74,6 +74,43 @@ def test_forward_batch_equals_one_by_one(factory, arch):
     assert t1.length == s1.length and t2.length == s2.length
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_pooled_slot_states_step_as_one_by_one(factory, arch):
+    """With several slots, the slots' attention caches are rows of one
+    buffer per layer, and a decode step of sequences of unequal lengths
+    attends for all of them at once (the shorter masked past its end)."""
+    from fle_engine import layers as L
+
+    m, tok = factory[arch]
+    eng = Engine(m, tok, n_ctx=64, name="t", n_parallel=2)
+    t1, t2 = (eng._new_state(s) for s in eng.slots)
+    att = [il for il, c in enumerate(t1.layers) if type(c) is L.AttnCache]
+    assert att
+    for il in att:
+        assert L.stacked([t1.layers[il].k, t2.layers[il].k]) is not None
+        assert L.stacked([L.live_view(t1.layers[il], 5).k, L.live_view(t2.layers[il], 9).k]).shape[2] == 9
+    s1, s2 = m.new_state(32), m.new_state(32)
+    pa, pb = [1, 5, 9, 200, 7, 3], [3, 4, 8]
+    ref = [m.forward(pa, s1), m.forward(pb, s2)]
+    got = m.forward_batch([pa, pb], [t1, t2])
+    for step in range(6):
+        ref += [m.forward([11 + step], s1), m.forward([20 + step], s2)]
+        got += m.forward_batch([[11 + step], [20 + step]], [t1, t2])
+    ref.append(m.forward([30], s2))           # one sequence alone, then both again
+    got += m.forward_batch([[30]], [t2])
+    ref += [m.forward([31], s1), m.forward([32], s2)]
+    got += m.forward_batch([[31], [32]], [t1, t2])
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+    # separate tensors, and views that overlap or are unequally spaced, are not one pool
+    a, b = torch.zeros(2, 8, 4), torch.zeros(2, 8, 4)
+    assert L.stacked([a, b]) is None
+    buf = torch.zeros(3, 2, 8, 4)
+    assert L.stacked([buf[0], buf[1], buf[2]]) is not None and L.stacked([buf[0], buf[2], buf[1]]) is None
+    assert L.stacked([buf[0], buf[0]]) is None
+    assert L.stacked([buf.view(-1)[:64].view(2, 8, 4), buf.view(-1)[32:96].view(2, 8, 4)]) is None
+
+
 # ---------------------------------------------------------------- parallel slots
 
 

@@ -151,7 +151,8 @@ class Attention(nn.Module):
 
     def forward_batch(self, x: Tensor, sizes: list[int], caches: list, rots: list) -> Tensor:
         """Several sequences' tokens: projections, norms and rotary on all of
-        them at once, the attention itself per sequence against its cache."""
+        them at once, the attention against each one's cache
+        (:func:`~fle_engine.layers.attention_batch`)."""
         a = self.a
         n_tok = x.shape[0]
         cos = torch.cat([r[1] for r in rots])
@@ -161,8 +162,7 @@ class Attention(nn.Module):
         v = F.linear(x, self.wv).view(n_tok, a.n_head_kv, a.head_dim)
         q = L.apply_rope_neox(L.rms_norm(q, self.q_norm, a.eps), cos, sin)
         k = L.apply_rope_neox(L.rms_norm(k, self.k_norm, a.eps), cos, sin)
-        out = torch.cat([L.attention(qi, ki, vi, c, r[0], a.head_dim ** -0.5, ends_here=True) for qi, ki, vi, c, r in
-                         zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, rots)])
+        out = L.attention_batch(q, k, v, caches, [r[0] for r in rots], sizes, a.head_dim ** -0.5)
         return F.linear(out, self.wo)
 
 

@@ -112,7 +112,8 @@ class GatedAttention(nn.Module):
         return F.linear(out, self.wo)
 
     def forward_batch(self, x: Tensor, sizes: list[int], caches: list, rots: list) -> Tensor:
-        """Several sequences: projections and rotary on all tokens, attention per sequence."""
+        """Several sequences: projections and rotary on all tokens, attention by
+        :func:`~fle_engine.layers.attention_batch`."""
         a = self.a
         n_tok, hd = x.shape[0], a.head_dim
         cos, sin = torch.cat([r[1] for r in rots]), torch.cat([r[2] for r in rots])
@@ -122,8 +123,7 @@ class GatedAttention(nn.Module):
         v = F.linear(x, self.wv).view(n_tok, a.n_head_kv, hd)
         q = L.apply_rope_neox(L.rms_norm(q, self.q_norm, a.eps), cos, sin)
         k = L.apply_rope_neox(L.rms_norm(k, self.k_norm, a.eps), cos, sin)
-        out = torch.cat([L.attention(qi, ki, vi, c, r[0], a.attn_scale, ends_here=True) for qi, ki, vi, c, r in
-                         zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, rots)])
+        out = L.attention_batch(q, k, v, caches, [r[0] for r in rots], sizes, a.attn_scale)
         out = out * torch.sigmoid(gate.reshape(n_tok, a.n_head * hd))
         return F.linear(out, self.wo)
 

@@ -36,6 +36,7 @@ from fle_quant.errors import FleError
 
 from ..sampling import Sampler, SamplerParams, generate_tokens
 from ..speculative import SpecStats, generate_speculative
+from .. import layers as L
 from . import cache as C
 from .text import StopScanner
 
@@ -217,6 +218,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._batched = hasattr(model, "forward_batch")
         self._truncatable: bool | None = None
+        self._kv_pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # see _new_state
         # counters for /metrics
         self.n_prompt_total = self.n_predicted_total = self.n_requests = self.n_cached_total = 0
         self.t_prompt_total = self.t_predicted_total = 0.0
@@ -400,12 +402,35 @@ class Engine:
         if self.cache.enabled and slot.tokens and slot.cacheable and slot.state is not None:
             self.cache.put(list(slot.tokens), C.snapshot(slot.state, len(slot.tokens)), slot.logits)
 
+    def _new_state(self, slot: Slot):
+        """A new state for ``slot``. With several slots, its attention caches
+        are the slot's rows of one buffer per layer, shared by all slots
+        (zeroed here), so that a batched decode step reads every slot's keys
+        and values as one tensor (:func:`fle_engine.layers.attention_batch`)."""
+        st = self.model.new_state(slot.n_ctx)
+        layers = getattr(st, "layers", None)
+        if self.n_parallel < 2 or not isinstance(layers, list):
+            return st
+        for il, c in enumerate(layers):
+            if type(c) is not L.AttnCache:
+                continue
+            pool = self._kv_pools.get(il)
+            if pool is None or pool[0].shape[1:] != c.k.shape or pool[1].shape[1:] != c.v.shape \
+                    or pool[0].dtype != c.k.dtype or pool[0].device != c.k.device:
+                pool = (c.k.new_zeros((self.n_parallel, *c.k.shape)), c.v.new_zeros((self.n_parallel, *c.v.shape)))
+                self._kv_pools[il] = pool
+            k, v = pool[0][slot.id], pool[1][slot.id]
+            k.zero_()
+            v.zero_()
+            layers[il] = L.AttnCache(k, v)
+        return st
+
     def _fresh_state(self, slot: Slot) -> None:
         if slot.state is not None and self._can_truncate():
             slot.state.pos.fill_(0)
             slot.state.length = 0
         else:
-            slot.state = self.model.new_state(slot.n_ctx)
+            slot.state = self._new_state(slot)
         slot.tokens, slot.logits = [], None
 
     def _prepare(self, slot: Slot, job: Job) -> int:
@@ -423,7 +448,7 @@ class Engine:
             if slot.tokens != entry.tokens:
                 self._keep_in_cache(slot)
             if slot.state is None:
-                slot.state = self.model.new_state(slot.n_ctx)
+                slot.state = self._new_state(slot)
             C.restore(entry.snap, slot.state)
             slot.tokens, slot.logits = list(entry.tokens), entry.logits
             have = from_cache
@@ -495,7 +520,7 @@ class Engine:
                 continue
             self._keep_in_cache(cs)
             if cs.state is None:
-                cs.state = self.model.new_state(cs.n_ctx)
+                cs.state = self._new_state(cs)
             C.restore(snap, cs.state)
             cs.tokens, cs.logits = list(s.tokens), s.logits
             c.pos = c.n_cached = len(c.job.prompt)
@@ -749,7 +774,7 @@ class Engine:
             if snap.n > s.n_ctx:
                 raise FleError(f"the saved slot holds {snap.n} tokens; a slot here holds {s.n_ctx}")
             if s.state is None:
-                s.state = self.model.new_state(s.n_ctx)
+                s.state = self._new_state(s)
             C.restore(snap, s.state)
             s.tokens, s.logits, s.cacheable = tokens, logits, True
             return {"id_slot": sid, "filename": arg, "n_restored": len(tokens), "n_read": nbytes,
