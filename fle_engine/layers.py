@@ -116,24 +116,30 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cache: AttnCache, positions: Tens
 
 
 def stacked(ts: list[Tensor]) -> Tensor | None:
-    """``[S, *shape]``: one view of ``ts`` when they are equally spaced,
-    non-overlapping slices of one buffer (slot states made as views of one
-    pool, see ``fle_engine.server``), with the longest's length on axis 1;
-    None otherwise (separate tensors). Reads nothing, copies nothing."""
+    """``[S, *shape]``: one view of ``ts`` when they are views of rows
+    ``r0, r0 + d, r0 + 2d, ...`` of one buffer ``[N, *shape]`` (slot states
+    made as rows of one pool, see ``fle_engine.server``), each starting at
+    its row's start and cut on axis 1 (:func:`live_view`): the rows with the
+    longest's length on axis 1. None otherwise (separate tensors). Reads
+    nothing, copies nothing."""
     t0 = ts[0]
-    if len(ts) < 2 or t0.dim() != 3:
+    pool = t0._base
+    if len(ts) < 2 or pool is None or pool.dim() != 4 or t0.dim() != 3:
         return None
-    ptr, st, dt = t0.untyped_storage().data_ptr(), t0.stride(), t0.dtype
-    offs = [t.storage_offset() for t in ts]
-    step = offs[1] - offs[0]
-    if step < t0.shape[0] * st[0] or st[0] < max(t.shape[1] for t in ts) * st[1]:
+    ps, st = pool.stride(), t0.stride()
+    if st != ps[1:] or t0.shape[0] != pool.shape[1] or t0.shape[2] != pool.shape[3]:
         return None
-    for i, t in enumerate(ts):
-        if (t.untyped_storage().data_ptr() != ptr or t.stride() != st or t.dtype != dt or t.device != t0.device
-                or t.shape[0] != t0.shape[0] or t.shape[2] != t0.shape[2] or offs[i] != offs[0] + i * step):
+    rows = []
+    for t in ts:
+        off = t.storage_offset() - pool.storage_offset()
+        if t._base is not pool or t.stride() != st or t.shape[0] != t0.shape[0] or t.shape[2] != t0.shape[2] \
+                or off % ps[0]:
             return None
-    n = max(t.shape[1] for t in ts)
-    return t0.as_strided((len(ts), t0.shape[0], n, t0.shape[2]), (step, *st), offs[0])
+        rows.append(off // ps[0])
+    step = rows[1] - rows[0]
+    if step <= 0 or any(b - a != step for a, b in zip(rows, rows[1:])):
+        return None
+    return pool[rows[0]:rows[-1] + 1:step, :, :max(t.shape[1] for t in ts)]
 
 
 def attention_batch(q: Tensor, k: Tensor, v: Tensor, caches: list, positions: list[Tensor], sizes: list[int],
@@ -151,14 +157,13 @@ def attention_batch(q: Tensor, k: Tensor, v: Tensor, caches: list, positions: li
             n_seq, n_head, dh = q.shape
             n_kv, n_pos = kp.shape[1], kp.shape[2]
             rows = torch.arange(n_seq, device=q.device)
-            pos = torch.cat(positions)
+            pos = torch.cat(positions)                                             # [S], each one's last position
             kp.transpose(1, 2).index_put_((rows, pos), k.to(kp.dtype))              # [S, P, Hkv, Dh] view
             vp.transpose(1, 2).index_put_((rows, pos), v.to(vp.dtype))
             qh = q.reshape(n_seq, n_kv, n_head // n_kv, dh).to(kp.dtype)            # [S, Hkv, G, Dh]
             scores = torch.matmul(qh, kp.transpose(-1, -2)) * scale                # [S, Hkv, G, P]
-            ends = [c.k.shape[1] for c in caches]
-            if min(ends) < n_pos:
-                past = torch.arange(n_pos, device=q.device)[None, :] >= torch.tensor(ends, device=q.device)[:, None]
+            if any(c.k.shape[1] < n_pos for c in caches):
+                past = torch.arange(n_pos, device=q.device) > pos[:, None]          # [S, P]
                 scores = scores.masked_fill(past[:, None, None, :], float("-inf"))
             probs = torch.softmax(scores.float(), dim=-1).to(vp.dtype)
             out = torch.matmul(probs, vp)                                          # [S, Hkv, G, Dh]
@@ -313,16 +318,50 @@ class MoE(nn.Module):
             return self.forward(x)
         _, experts, weights = self.route(x)
         n_tok, k = experts.shape
-        y = x.new_empty(n_tok * k, x.shape[1])
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)                        # (token, slot) pairs grouped by expert
-        uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        for e, pairs in zip(uniq.tolist(), torch.split(order, counts.tolist())):
-            y[pairs] = swiglu(x[pairs // k], self.gate_exps[e], self.up_exps[e], self.down_exps[e])
+        if n_tok * k <= self.HOST_GROUPS:
+            y = self._experts_few(x, experts)
+        else:
+            y = x.new_empty(n_tok * k, x.shape[1])
+            flat = experts.reshape(-1)
+            order = torch.argsort(flat, stable=True)                    # (token, slot) pairs grouped by expert
+            uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
+            for e, pairs in zip(uniq.tolist(), torch.split(order, counts.tolist())):
+                y[pairs] = swiglu(x[pairs // k], self.gate_exps[e], self.up_exps[e], self.down_exps[e])
         out = (weights.to(x.dtype)[:, :, None] * y.view(n_tok, k, x.shape[1])).sum(1)
         if self.has_shared:
             out = out + self.shared_expert(x)
         return out
+
+    HOST_GROUPS = 64        # forward_batch groups at most this many (token, slot) pairs on the host
+
+    def _experts_few(self, x: Tensor, experts: Tensor) -> Tensor:
+        """:meth:`forward_batch`'s expert outputs [T * K, D] in (token, slot)
+        order for a few tokens (a decode step): the pairs are grouped by
+        expert on the host (the routing is read once, as the tensor
+        grouping reads its expert list), each expert runs on a slice of
+        ``x`` where its tokens are consecutive, and the outputs are put in
+        order by one gather instead of a scatter per expert."""
+        k = experts.shape[1]
+        groups: dict[int, list[int]] = {}
+        for p, e in enumerate(experts.reshape(-1).tolist()):
+            groups.setdefault(e, []).append(p)
+        outs, order = [], []
+        for e in sorted(groups):
+            pairs = groups[e]
+            toks = [p // k for p in pairs]
+            if toks[-1] - toks[0] == len(toks) - 1:                     # consecutive tokens (distinct: one slot each)
+                xe = x[toks[0]:toks[-1] + 1]
+            else:
+                xe = x[torch.tensor(toks, device=x.device)]
+            outs.append(swiglu(xe, self.gate_exps[e], self.up_exps[e], self.down_exps[e]))
+            order += pairs
+        y = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if order != sorted(order):
+            where = [0] * len(order)
+            for i, p in enumerate(order):
+                where[p] = i
+            y = y[torch.tensor(where, device=x.device)]
+        return y
 
     def shared_expert(self, x: Tensor) -> Tensor:
         out = swiglu(x, self.shexp_gate, self.shexp_up, self.shexp_down)
