@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    "rms_norm", "rope_table", "apply_rope_neox", "AttnCache", "attention", "attention_batch", "stacked", "swiglu",
-    "MoE", "MoECapture", "MoERecord", "GDNState", "causal_conv1d", "l2_norm", "gdn_recurrent", "gdn_chunked", "State",
+    "rms_norm", "rope_table", "apply_rope_neox", "AttnCache", "attention", "attention_batch", "stacked", "Rots",
+    "rot_cat", "swiglu", "MoE", "MoECapture", "MoERecord", "GDNState", "causal_conv1d", "l2_norm", "gdn_recurrent",
+    "gdn_chunked", "State",
 ]
 
 
@@ -142,34 +143,64 @@ def stacked(ts: list[Tensor]) -> Tensor | None:
     return pool[rows[0]:rows[-1] + 1:step, :, :max(t.shape[1] for t in ts)]
 
 
-def attention_batch(q: Tensor, k: Tensor, v: Tensor, caches: list, positions: list[Tensor], sizes: list[int],
+class Rots(list):
+    """A batched step's rotary inputs, one ``(positions, cos, sin)`` per
+    sequence, which every attention layer of the step reads alike: their
+    concatenations (:func:`rot_cat`) and what :func:`attention_batch`
+    derives from the positions are made once per step, not per layer."""
+
+    def __init__(self, items=()):
+        super().__init__(items)
+        self.memo: dict = {}
+
+
+def rot_cat(rots: list, i: int) -> Tensor:
+    """Part ``i`` (0 positions, 1 cos, 2 sin) of every sequence's rotary
+    inputs, concatenated (once per step for :class:`Rots`)."""
+    memo = getattr(rots, "memo", None)
+    if memo is not None and i in memo:
+        return memo[i]
+    out = rots[0][i] if len(rots) == 1 else torch.cat([r[i] for r in rots])
+    if memo is not None:
+        memo[i] = out
+    return out
+
+
+def attention_batch(q: Tensor, k: Tensor, v: Tensor, caches: list, rots: list, sizes: list[int],
                     scale: float) -> Tensor:
     """:func:`attention` of several sequences' new tokens (``q``, ``k``, ``v``
     concatenated, ``sizes`` each), each against its cache, a
-    :func:`live_view` ending at its last new token. One new token per
-    sequence and caches that are views of one pool (:func:`stacked`): one
-    write, one score product and one softmax for all of them, a sequence
-    shorter than the longest masked past its end; otherwise one
-    :func:`attention` per sequence. Returns [T, H * Dh]."""
+    :func:`live_view` ending at its last new token; ``rots``: each one's
+    ``(positions, cos, sin)``. One new token per sequence and caches that
+    are views of one pool (:func:`stacked`): one write, one score product
+    and one softmax for all of them, a sequence shorter than the longest
+    masked past its end; otherwise one :func:`attention` per sequence.
+    Returns [T, H * Dh]."""
     if len(sizes) > 1 and all(n == 1 for n in sizes):
         kp, vp = stacked([c.k for c in caches]), stacked([c.v for c in caches])
         if kp is not None and vp is not None:
             n_seq, n_head, dh = q.shape
             n_kv, n_pos = kp.shape[1], kp.shape[2]
-            rows = torch.arange(n_seq, device=q.device)
-            pos = torch.cat(positions)                                             # [S], each one's last position
+            memo = getattr(rots, "memo", {})
+            key = ("decode", n_pos, q.device)
+            if key not in memo:
+                pos = rot_cat(rots, 0)                                             # [S], each one's last position
+                past = None
+                if any(c.k.shape[1] < n_pos for c in caches):
+                    past = (torch.arange(n_pos, device=q.device) > pos[:, None])[:, None, None, :]
+                memo[key] = (torch.arange(n_seq, device=q.device), pos, past)
+            rows, pos, past = memo[key]
             kp.transpose(1, 2).index_put_((rows, pos), k.to(kp.dtype))              # [S, P, Hkv, Dh] view
             vp.transpose(1, 2).index_put_((rows, pos), v.to(vp.dtype))
             qh = q.reshape(n_seq, n_kv, n_head // n_kv, dh).to(kp.dtype)            # [S, Hkv, G, Dh]
             scores = torch.matmul(qh, kp.transpose(-1, -2)) * scale                # [S, Hkv, G, P]
-            if any(c.k.shape[1] < n_pos for c in caches):
-                past = torch.arange(n_pos, device=q.device) > pos[:, None]          # [S, P]
-                scores = scores.masked_fill(past[:, None, None, :], float("-inf"))
+            if past is not None:
+                scores = scores.masked_fill(past, float("-inf"))
             probs = torch.softmax(scores.float(), dim=-1).to(vp.dtype)
             out = torch.matmul(probs, vp)                                          # [S, Hkv, G, Dh]
             return out.reshape(n_seq, n_head * dh).to(q.dtype)
-    return torch.cat([attention(qi, ki, vi, c, p, scale, ends_here=True) for qi, ki, vi, c, p in
-                      zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, positions)])
+    return torch.cat([attention(qi, ki, vi, c, r[0], scale, ends_here=True) for qi, ki, vi, c, r in
+                      zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, rots)])
 
 
 # ---------------------------------------------------------------------------

@@ -116,14 +116,14 @@ class GatedAttention(nn.Module):
         :func:`~fle_engine.layers.attention_batch`."""
         a = self.a
         n_tok, hd = x.shape[0], a.head_dim
-        cos, sin = torch.cat([r[1] for r in rots]), torch.cat([r[2] for r in rots])
+        cos, sin = L.rot_cat(rots, 1), L.rot_cat(rots, 2)
         qg = F.linear(x, self.wq).view(n_tok, a.n_head, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
         k = F.linear(x, self.wk).view(n_tok, a.n_head_kv, hd)
         v = F.linear(x, self.wv).view(n_tok, a.n_head_kv, hd)
         q = L.apply_rope_neox(L.rms_norm(q, self.q_norm, a.eps), cos, sin)
         k = L.apply_rope_neox(L.rms_norm(k, self.k_norm, a.eps), cos, sin)
-        out = L.attention_batch(q, k, v, caches, [r[0] for r in rots], sizes, a.attn_scale)
+        out = L.attention_batch(q, k, v, caches, rots, sizes, a.attn_scale)
         out = out * torch.sigmoid(gate.reshape(n_tok, a.n_head * hd))
         return F.linear(out, self.wo)
 
