@@ -23,6 +23,7 @@ pytest.importorskip("aiohttp")
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
 import fle_engine  # noqa: E402
+from fle_engine import layers as L  # noqa: E402
 from fle_engine.sampling import Sampler, SamplerParams, generate_tokens  # noqa: E402
 from fle_engine.server import Engine, create_app  # noqa: E402
 from fle_engine.server import cache as C  # noqa: E402
@@ -79,8 +80,6 @@ def test_pooled_slot_states_step_as_one_by_one(factory, arch):
     """With several slots, the slots' attention caches are rows of one
     buffer per layer, and a decode step of sequences of unequal lengths
     attends for all of them at once (the shorter masked past its end)."""
-    from fle_engine import layers as L
-
     m, tok = factory[arch]
     eng = Engine(m, tok, n_ctx=64, name="t", n_parallel=2)
     t1, t2 = (eng._new_state(s) for s in eng.slots)
@@ -139,6 +138,32 @@ def test_two_slots_run_at_once_and_answer_as_cold_runs(factory):
         assert a["choices"][0]["text"] == tok.decode(cold(m, tok, ids, 24, ignore_eos=True))
     # interleaved: both answers' 24 tokens took about 24 rounds, not 48
     assert eng.n_rounds - rounds_before[0] < 24 + 24
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_two_slots_answer_as_one_slot(factory, arch):
+    """Greedy answers of 4 requests at once (prompts of unequal lengths, so
+    the batched attention masks the shorter sequence) are the same on 2
+    slots, whose caches are one pool, as on 1 slot."""
+    m, tok = factory[arch]
+    prompts = ["the river", "a quiet town by the sea and the long road home", "stone lamp cloud",
+               "one two three four five six seven eight nine ten eleven"]
+
+    def answers(n_par):
+        eng = Engine(m, tok, n_ctx=256 * n_par, name="t", n_parallel=n_par)
+
+        async def fn(client):
+            rs = await asyncio.gather(*(client.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True}) for p in prompts))
+            return [(await r.json())["choices"][0]["text"] for r in rs]
+
+        out = call(eng, fn)
+        if n_par > 1:
+            k0, k1 = (next(c.k for c in s.state.layers if type(c) is L.AttnCache) for s in eng.slots)
+            assert k0._base is not None and k0._base is k1._base
+        return out
+
+    assert answers(2) == answers(1)
 
 
 def test_slot_context_is_shared(factory):
