@@ -119,28 +119,27 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cache: AttnCache, positions: Tens
 def stacked(ts: list[Tensor]) -> Tensor | None:
     """``[S, *shape]``: one view of ``ts`` when they are views of rows
     ``r0, r0 + d, r0 + 2d, ...`` of one buffer ``[N, *shape]`` (slot states
-    made as rows of one pool, see ``fle_engine.server``), each starting at
-    its row's start and cut on axis 1 (:func:`live_view`): the rows with the
-    longest's length on axis 1. None otherwise (separate tensors). Reads
-    nothing, copies nothing."""
+    made as rows of one pool, see ``fle_engine.server``), each a whole row
+    or a row cut on axis 1 (an attention cache's :func:`live_view`): the
+    rows, with the longest's length on axis 1. None otherwise (separate
+    tensors). Reads nothing, copies nothing."""
     t0 = ts[0]
     pool = t0._base
-    if len(ts) < 2 or pool is None or pool.dim() != 4 or t0.dim() != 3:
+    if len(ts) < 2 or pool is None or pool.dim() != t0.dim() + 1:
         return None
-    ps, st = pool.stride(), t0.stride()
-    if st != ps[1:] or t0.shape[0] != pool.shape[1] or t0.shape[2] != pool.shape[3]:
-        return None
+    ps, full = pool.stride(), tuple(pool.shape[1:])
     rows = []
     for t in ts:
         off = t.storage_offset() - pool.storage_offset()
-        if t._base is not pool or t.stride() != st or t.shape[0] != t0.shape[0] or t.shape[2] != t0.shape[2] \
-                or off % ps[0]:
+        if t._base is not pool or t.stride() != ps[1:] or off % ps[0] or t.shape[0] != full[0] \
+                or tuple(t.shape[2:]) != full[2:] or (t.dim() > 1 and t.shape[1] > full[1]):
             return None
         rows.append(off // ps[0])
     step = rows[1] - rows[0]
     if step <= 0 or any(b - a != step for a, b in zip(rows, rows[1:])):
         return None
-    return pool[rows[0]:rows[-1] + 1:step, :, :max(t.shape[1] for t in ts)]
+    out = pool[rows[0]:rows[-1] + 1:step]
+    return out[:, :, :max(t.shape[1] for t in ts)] if t0.dim() > 1 else out
 
 
 class Rots(list):

@@ -77,9 +77,10 @@ def test_forward_batch_equals_one_by_one(factory, arch):
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
 def test_pooled_slot_states_step_as_one_by_one(factory, arch):
-    """With several slots, the slots' attention caches are rows of one
-    buffer per layer, and a decode step of sequences of unequal lengths
-    attends for all of them at once (the shorter masked past its end)."""
+    """With several slots, the slots' attention caches (and GDN states) are
+    rows of one buffer per layer, and a decode step of sequences of unequal
+    lengths attends for all of them at once (the shorter masked past its
+    end) and runs the delta rule for all at once."""
     m, tok = factory[arch]
     eng = Engine(m, tok, n_ctx=64, name="t", n_parallel=2)
     t1, t2 = (eng._new_state(s) for s in eng.slots)
@@ -88,6 +89,10 @@ def test_pooled_slot_states_step_as_one_by_one(factory, arch):
     for il in att:
         assert L.stacked([t1.layers[il].k, t2.layers[il].k]) is not None
         assert L.stacked([L.live_view(t1.layers[il], 5).k, L.live_view(t2.layers[il], 9).k]).shape[2] == 9
+    for c1, c2 in zip(t1.layers, t2.layers):
+        if type(c1) is L.GDNState:
+            assert L.stacked([c1.conv, c2.conv]).shape == (2, *c1.conv.shape)
+            assert L.stacked([c1.ssm, c2.ssm]).shape == (2, *c1.ssm.shape)
     s1, s2 = m.new_state(32), m.new_state(32)
     pa, pb = [1, 5, 9, 200, 7, 3], [3, 4, 8]
     ref = [m.forward(pa, s1), m.forward(pb, s2)]

@@ -218,7 +218,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._batched = hasattr(model, "forward_batch")
         self._truncatable: bool | None = None
-        self._kv_pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # see _new_state
+        self._pools: dict[int, tuple[torch.Tensor, ...]] = {}   # per layer, see _new_state
         # counters for /metrics
         self.n_prompt_total = self.n_predicted_total = self.n_requests = self.n_cached_total = 0
         self.t_prompt_total = self.t_predicted_total = 0.0
@@ -404,25 +404,31 @@ class Engine:
 
     def _new_state(self, slot: Slot):
         """A new state for ``slot``. With several slots, its attention caches
-        are the slot's rows of one buffer per layer, shared by all slots
-        (zeroed here), so that a batched decode step reads every slot's keys
-        and values as one tensor (:func:`fle_engine.layers.attention_batch`)."""
+        and GDN states are the slot's rows of buffers per layer shared by all
+        slots (zeroed here), so that a batched decode step reads and updates
+        every slot's keys and values, or recurrent state, as one tensor
+        (:func:`fle_engine.layers.stacked`)."""
         st = self.model.new_state(slot.n_ctx)
         layers = getattr(st, "layers", None)
         if self.n_parallel < 2 or not isinstance(layers, list):
             return st
         for il, c in enumerate(layers):
-            if type(c) is not L.AttnCache:
+            if type(c) is L.AttnCache:
+                names = ("k", "v")
+            elif type(c) is L.GDNState:
+                names = ("conv", "ssm")
+            else:
                 continue
-            pool = self._kv_pools.get(il)
-            if pool is None or pool[0].shape[1:] != c.k.shape or pool[1].shape[1:] != c.v.shape \
-                    or pool[0].dtype != c.k.dtype or pool[0].device != c.k.device:
-                pool = (c.k.new_zeros((self.n_parallel, *c.k.shape)), c.v.new_zeros((self.n_parallel, *c.v.shape)))
-                self._kv_pools[il] = pool
-            k, v = pool[0][slot.id], pool[1][slot.id]
-            k.zero_()
-            v.zero_()
-            layers[il] = L.AttnCache(k, v)
+            parts = [getattr(c, f) for f in names]
+            pool = self._pools.get(il)
+            if pool is None or any(p.shape[1:] != t.shape or p.dtype != t.dtype or p.device != t.device
+                                   for p, t in zip(pool, parts)):
+                pool = tuple(t.new_zeros((self.n_parallel, *t.shape)) for t in parts)
+                self._pools[il] = pool
+            rows = [p[slot.id] for p in pool]
+            for r in rows:
+                r.zero_()
+            layers[il] = type(c)(*rows)
         return st
 
     def _fresh_state(self, slot: Slot) -> None:
