@@ -125,21 +125,23 @@ def stacked(ts: list[Tensor]) -> Tensor | None:
     tensors). Reads nothing, copies nothing."""
     t0 = ts[0]
     pool = t0._base
-    if len(ts) < 2 or pool is None or pool.dim() != t0.dim() + 1:
+    if pool is None or len(ts) < 2 or pool.dim() != t0.dim() + 1:
         return None
-    ps, full = pool.stride(), tuple(pool.shape[1:])
-    rows = []
+    ps, full, base = pool.stride(), pool.shape[1:], pool.storage_offset()
+    st, rest, cut = ps[1:], full[2:], t0.dim() > 1
+    rows, n = [], 0
     for t in ts:
-        off = t.storage_offset() - pool.storage_offset()
-        if t._base is not pool or t.stride() != ps[1:] or off % ps[0] or t.shape[0] != full[0] \
-                or tuple(t.shape[2:]) != full[2:] or (t.dim() > 1 and t.shape[1] > full[1]):
+        row, off = divmod(t.storage_offset() - base, ps[0])
+        shape = t.shape
+        if t._base is not pool or off or t.stride() != st or shape[0] != full[0] or shape[2:] != rest:
             return None
-        rows.append(off // ps[0])
+        if cut:
+            n = max(n, shape[1])
+        rows.append(row)
     step = rows[1] - rows[0]
-    if step <= 0 or any(b - a != step for a, b in zip(rows, rows[1:])):
+    if step <= 0 or (len(rows) > 2 and any(b - a != step for a, b in zip(rows, rows[1:]))) or (cut and n > full[1]):
         return None
-    out = pool[rows[0]:rows[-1] + 1:step]
-    return out[:, :, :max(t.shape[1] for t in ts)] if t0.dim() > 1 else out
+    return pool[rows[0]:rows[-1] + 1:step, :, :n] if cut else pool[rows[0]:rows[-1] + 1:step]
 
 
 class Rots(list):
