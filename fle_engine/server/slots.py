@@ -13,7 +13,10 @@ nothing touches a busy slot's state.
 One worker thread runs rounds: each active slot advances by one prompt
 chunk or one token per round, and on the reference path all of a round's
 sequences go through the model in one batched forward
-(``Model.forward_batch``). With MTP drafts or the GPU engine, each slot
+(``Model.forward_batch``). With several slots, the slots' attention caches
+and GDN states are rows of one buffer per layer, so that a round of one
+token per slot attends (and runs the delta rule) for all slots at once
+instead of once per slot. With MTP drafts or the GPU engine, each slot
 runs its own token generator; the GPU engine serves one slot at a time.
 """
 from __future__ import annotations
