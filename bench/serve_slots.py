@@ -6,7 +6,16 @@ threads. On a shared machine single runs swing by 2x either way, so the
 1-slot and 2-slot runs alternate ``--repeat`` times and the ratio printed
 last is the median of the pairs' ratios.
 
+The factory model has its default sizes: 28 MiB of float32 weights, which
+a server CPU's last-level cache holds, so a step is bound by compute and
+per-operation overhead. ``--set KEY=VALUE`` (repeatable) passes GGUF sizes
+to the factory, e.g. ``--set block_count=8 --set embedding_length=1024
+--set expert_feed_forward_length=1024`` for a model larger than the
+caches (a decode bound by reading the weights, as a real model's). The
+model's weight size is printed first.
+
     PYTHONPATH=. python bench/serve_slots.py [--arch qwen3moe] [--clients 4] [--tokens 64] [--threads 1] [--repeat 5]
+        [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -63,11 +72,20 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=5, help="alternating 1-slot / 2-slot pairs")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a factory model size, GGUF key without the arch prefix, dots as underscores")
     args = ap.parse_args()
+    sizes = {}
+    for kv in args.set:
+        key, _, value = kv.partition("=")
+        sizes[key] = int(value)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as d:
-        path = make_model(Path(d) / "m.gguf", args.arch, mix="f32")
+        path = make_model(Path(d) / "m.gguf", args.arch, mix="f32", **sizes)
         model, tok = fle_engine.load(path), Tokenizer.from_gguf(path)
+        n_bytes = sum(t.numel() * t.element_size() for t in model.net.parameters())
+        print(f"{args.arch}: factory model {' '.join(args.set) or '(default sizes)'}: {n_bytes / 2**20:.1f} MiB of "
+              f"weights, {model.args}")
         engines = {n: Engine(model, tok, n_ctx=512 * n, name="bench", n_parallel=n) for n in (1, 2)}
         decode = {n: _count_decode_cpu(e) for n, e in engines.items()}
         wall_ratios, cpu_ratios, dec_ratios = [], [], []

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    "rms_norm", "rope_table", "apply_rope_neox", "AttnCache", "attention", "swiglu", "MoE", "MoECapture",
-    "MoERecord", "GDNState", "causal_conv1d", "l2_norm", "gdn_recurrent", "gdn_chunked", "State",
+    "rms_norm", "rope_table", "apply_rope_neox", "AttnCache", "attention", "attention_batch", "stacked", "Rots",
+    "rot_cat", "swiglu", "MoE", "MoECapture", "MoERecord", "GDNState", "causal_conv1d", "l2_norm", "gdn_recurrent",
+    "gdn_chunked", "State",
 ]
 
 
@@ -113,6 +114,94 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cache: AttnCache, positions: Tens
     probs = torch.softmax(scores.float(), dim=-1).to(cache.v.dtype)
     out = torch.matmul(probs, cache.v[:, None])                                # [Hkv, G, T, Dh]
     return out.permute(2, 0, 1, 3).reshape(n_tok, n_head * dh).to(q.dtype)
+
+
+def stacked(ts: list[Tensor]) -> Tensor | None:
+    """``[S, *shape]``: one view of ``ts`` when they are views of rows
+    ``r0, r0 + d, r0 + 2d, ...`` of one buffer ``[N, *shape]`` (slot states
+    made as rows of one pool, see ``fle_engine.server``), each a whole row
+    or a row cut on axis 1 (an attention cache's :func:`live_view`): the
+    rows, with the longest's length on axis 1. None otherwise (separate
+    tensors). Reads nothing, copies nothing."""
+    t0 = ts[0]
+    pool = t0._base
+    if pool is None or len(ts) < 2 or pool.dim() != t0.dim() + 1:
+        return None
+    ps, full, base = pool.stride(), pool.shape[1:], pool.storage_offset()
+    st, rest, cut = ps[1:], full[2:], t0.dim() > 1
+    rows, n = [], 0
+    for t in ts:
+        row, off = divmod(t.storage_offset() - base, ps[0])
+        shape = t.shape
+        if t._base is not pool or off or t.stride() != st or shape[0] != full[0] or shape[2:] != rest:
+            return None
+        if cut:
+            n = max(n, shape[1])
+        rows.append(row)
+    step = rows[1] - rows[0]
+    if step <= 0 or (len(rows) > 2 and any(b - a != step for a, b in zip(rows, rows[1:]))) or (cut and n > full[1]):
+        return None
+    return pool[rows[0]:rows[-1] + 1:step, :, :n] if cut else pool[rows[0]:rows[-1] + 1:step]
+
+
+class Rots(list):
+    """A batched step's rotary inputs, one ``(positions, cos, sin)`` per
+    sequence, which every attention layer of the step reads alike: their
+    concatenations (:func:`rot_cat`) and what :func:`attention_batch`
+    derives from the positions are made once per step, not per layer."""
+
+    def __init__(self, items=()):
+        super().__init__(items)
+        self.memo: dict = {}
+
+
+def rot_cat(rots: list, i: int) -> Tensor:
+    """Part ``i`` (0 positions, 1 cos, 2 sin) of every sequence's rotary
+    inputs, concatenated (once per step for :class:`Rots`)."""
+    memo = getattr(rots, "memo", None)
+    if memo is not None and i in memo:
+        return memo[i]
+    out = rots[0][i] if len(rots) == 1 else torch.cat([r[i] for r in rots])
+    if memo is not None:
+        memo[i] = out
+    return out
+
+
+def attention_batch(q: Tensor, k: Tensor, v: Tensor, caches: list, rots: list, sizes: list[int],
+                    scale: float) -> Tensor:
+    """:func:`attention` of several sequences' new tokens (``q``, ``k``, ``v``
+    concatenated, ``sizes`` each), each against its cache, a
+    :func:`live_view` ending at its last new token; ``rots``: each one's
+    ``(positions, cos, sin)``. One new token per sequence and caches that
+    are views of one pool (:func:`stacked`): one write, one score product
+    and one softmax for all of them, a sequence shorter than the longest
+    masked past its end; otherwise one :func:`attention` per sequence.
+    Returns [T, H * Dh]."""
+    if len(sizes) > 1 and all(n == 1 for n in sizes):
+        kp, vp = stacked([c.k for c in caches]), stacked([c.v for c in caches])
+        if kp is not None and vp is not None:
+            n_seq, n_head, dh = q.shape
+            n_kv, n_pos = kp.shape[1], kp.shape[2]
+            memo = getattr(rots, "memo", {})
+            key = ("decode", n_pos, q.device)
+            if key not in memo:
+                pos = rot_cat(rots, 0)                                             # [S], each one's last position
+                past = None
+                if any(c.k.shape[1] < n_pos for c in caches):
+                    past = (torch.arange(n_pos, device=q.device) > pos[:, None])[:, None, None, :]
+                memo[key] = (torch.arange(n_seq, device=q.device), pos, past)
+            rows, pos, past = memo[key]
+            kp.transpose(1, 2).index_put_((rows, pos), k.to(kp.dtype))              # [S, P, Hkv, Dh] view
+            vp.transpose(1, 2).index_put_((rows, pos), v.to(vp.dtype))
+            qh = q.reshape(n_seq, n_kv, n_head // n_kv, dh).to(kp.dtype)            # [S, Hkv, G, Dh]
+            scores = torch.matmul(qh, kp.transpose(-1, -2)) * scale                # [S, Hkv, G, P]
+            if past is not None:
+                scores = scores.masked_fill(past, float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(vp.dtype)
+            out = torch.matmul(probs, vp)                                          # [S, Hkv, G, Dh]
+            return out.reshape(n_seq, n_head * dh).to(q.dtype)
+    return torch.cat([attention(qi, ki, vi, c, r[0], scale, ends_here=True) for qi, ki, vi, c, r in
+                      zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, rots)])
 
 
 # ---------------------------------------------------------------------------
@@ -261,16 +350,50 @@ class MoE(nn.Module):
             return self.forward(x)
         _, experts, weights = self.route(x)
         n_tok, k = experts.shape
-        y = x.new_empty(n_tok * k, x.shape[1])
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)                        # (token, slot) pairs grouped by expert
-        uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        for e, pairs in zip(uniq.tolist(), torch.split(order, counts.tolist())):
-            y[pairs] = swiglu(x[pairs // k], self.gate_exps[e], self.up_exps[e], self.down_exps[e])
+        if n_tok * k <= self.HOST_GROUPS:
+            y = self._experts_few(x, experts)
+        else:
+            y = x.new_empty(n_tok * k, x.shape[1])
+            flat = experts.reshape(-1)
+            order = torch.argsort(flat, stable=True)                    # (token, slot) pairs grouped by expert
+            uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
+            for e, pairs in zip(uniq.tolist(), torch.split(order, counts.tolist())):
+                y[pairs] = swiglu(x[pairs // k], self.gate_exps[e], self.up_exps[e], self.down_exps[e])
         out = (weights.to(x.dtype)[:, :, None] * y.view(n_tok, k, x.shape[1])).sum(1)
         if self.has_shared:
             out = out + self.shared_expert(x)
         return out
+
+    HOST_GROUPS = 64        # forward_batch groups at most this many (token, slot) pairs on the host
+
+    def _experts_few(self, x: Tensor, experts: Tensor) -> Tensor:
+        """:meth:`forward_batch`'s expert outputs [T * K, D] in (token, slot)
+        order for a few tokens (a decode step): the pairs are grouped by
+        expert on the host (the routing is read once, as the tensor
+        grouping reads its expert list), each expert runs on a slice of
+        ``x`` where its tokens are consecutive, and the outputs are put in
+        order by one gather instead of a scatter per expert."""
+        k = experts.shape[1]
+        groups: dict[int, list[int]] = {}
+        for p, e in enumerate(experts.reshape(-1).tolist()):
+            groups.setdefault(e, []).append(p)
+        outs, order = [], []
+        for e in sorted(groups):
+            pairs = groups[e]
+            toks = [p // k for p in pairs]
+            if toks[-1] - toks[0] == len(toks) - 1:                     # consecutive tokens (distinct: one slot each)
+                xe = x[toks[0]:toks[-1] + 1]
+            else:
+                xe = x[torch.tensor(toks, device=x.device)]
+            outs.append(swiglu(xe, self.gate_exps[e], self.up_exps[e], self.down_exps[e]))
+            order += pairs
+        y = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if order != sorted(order):
+            where = [0] * len(order)
+            for i, p in enumerate(order):
+                where[p] = i
+            y = y[torch.tensor(where, device=x.device)]
+        return y
 
     def shared_expert(self, x: Tensor) -> Tensor:
         out = swiglu(x, self.shexp_gate, self.shexp_up, self.shexp_down)

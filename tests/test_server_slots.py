@@ -23,6 +23,7 @@ pytest.importorskip("aiohttp")
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
 import fle_engine  # noqa: E402
+from fle_engine import layers as L  # noqa: E402
 from fle_engine.sampling import Sampler, SamplerParams, generate_tokens  # noqa: E402
 from fle_engine.server import Engine, create_app  # noqa: E402
 from fle_engine.server import cache as C  # noqa: E402
@@ -74,6 +75,46 @@ def test_forward_batch_equals_one_by_one(factory, arch):
     assert t1.length == s1.length and t2.length == s2.length
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_pooled_slot_states_step_as_one_by_one(factory, arch):
+    """With several slots, the slots' attention caches (and GDN states) are
+    rows of one buffer per layer, and a decode step of sequences of unequal
+    lengths attends for all of them at once (the shorter masked past its
+    end) and runs the delta rule for all at once."""
+    m, tok = factory[arch]
+    eng = Engine(m, tok, n_ctx=64, name="t", n_parallel=2)
+    t1, t2 = (eng._new_state(s) for s in eng.slots)
+    att = [il for il, c in enumerate(t1.layers) if type(c) is L.AttnCache]
+    assert att
+    for il in att:
+        assert L.stacked([t1.layers[il].k, t2.layers[il].k]) is not None
+        assert L.stacked([L.live_view(t1.layers[il], 5).k, L.live_view(t2.layers[il], 9).k]).shape[2] == 9
+    for c1, c2 in zip(t1.layers, t2.layers):
+        if type(c1) is L.GDNState:
+            assert L.stacked([c1.conv, c2.conv]).shape == (2, *c1.conv.shape)
+            assert L.stacked([c1.ssm, c2.ssm]).shape == (2, *c1.ssm.shape)
+    s1, s2 = m.new_state(32), m.new_state(32)
+    pa, pb = [1, 5, 9, 200, 7, 3], [3, 4, 8]
+    ref = [m.forward(pa, s1), m.forward(pb, s2)]
+    got = m.forward_batch([pa, pb], [t1, t2])
+    for step in range(6):
+        ref += [m.forward([11 + step], s1), m.forward([20 + step], s2)]
+        got += m.forward_batch([[11 + step], [20 + step]], [t1, t2])
+    ref.append(m.forward([30], s2))           # one sequence alone, then both again
+    got += m.forward_batch([[30]], [t2])
+    ref += [m.forward([31], s1), m.forward([32], s2)]
+    got += m.forward_batch([[31], [32]], [t1, t2])
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+    # separate tensors, and views that overlap or are unequally spaced, are not one pool
+    a, b = torch.zeros(2, 8, 4), torch.zeros(2, 8, 4)
+    assert L.stacked([a, b]) is None
+    buf = torch.zeros(3, 2, 8, 4)
+    assert L.stacked([buf[0], buf[1], buf[2]]) is not None and L.stacked([buf[0], buf[2], buf[1]]) is None
+    assert L.stacked([buf[0], buf[0]]) is None
+    assert L.stacked([buf.view(-1)[:64].view(2, 8, 4), buf.view(-1)[32:96].view(2, 8, 4)]) is None
+
+
 # ---------------------------------------------------------------- parallel slots
 
 
@@ -102,6 +143,32 @@ def test_two_slots_run_at_once_and_answer_as_cold_runs(factory):
         assert a["choices"][0]["text"] == tok.decode(cold(m, tok, ids, 24, ignore_eos=True))
     # interleaved: both answers' 24 tokens took about 24 rounds, not 48
     assert eng.n_rounds - rounds_before[0] < 24 + 24
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_two_slots_answer_as_one_slot(factory, arch):
+    """Greedy answers of 4 requests at once (prompts of unequal lengths, so
+    the batched attention masks the shorter sequence) are the same on 2
+    slots, whose caches are one pool, as on 1 slot."""
+    m, tok = factory[arch]
+    prompts = ["the river", "a quiet town by the sea and the long road home", "stone lamp cloud",
+               "one two three four five six seven eight nine ten eleven"]
+
+    def answers(n_par):
+        eng = Engine(m, tok, n_ctx=256 * n_par, name="t", n_parallel=n_par)
+
+        async def fn(client):
+            rs = await asyncio.gather(*(client.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True}) for p in prompts))
+            return [(await r.json())["choices"][0]["text"] for r in rs]
+
+        out = call(eng, fn)
+        if n_par > 1:
+            k0, k1 = (next(c.k for c in s.state.layers if type(c) is L.AttnCache) for s in eng.slots)
+            assert k0._base is not None and k0._base is k1._base
+        return out
+
+    assert answers(2) == answers(1)
 
 
 def test_slot_context_is_shared(factory):

@@ -151,18 +151,17 @@ class Attention(nn.Module):
 
     def forward_batch(self, x: Tensor, sizes: list[int], caches: list, rots: list) -> Tensor:
         """Several sequences' tokens: projections, norms and rotary on all of
-        them at once, the attention itself per sequence against its cache."""
+        them at once, the attention against each one's cache
+        (:func:`~fle_engine.layers.attention_batch`)."""
         a = self.a
         n_tok = x.shape[0]
-        cos = torch.cat([r[1] for r in rots])
-        sin = torch.cat([r[2] for r in rots])
+        cos, sin = L.rot_cat(rots, 1), L.rot_cat(rots, 2)
         q = F.linear(x, self.wq).view(n_tok, a.n_head, a.head_dim)
         k = F.linear(x, self.wk).view(n_tok, a.n_head_kv, a.head_dim)
         v = F.linear(x, self.wv).view(n_tok, a.n_head_kv, a.head_dim)
         q = L.apply_rope_neox(L.rms_norm(q, self.q_norm, a.eps), cos, sin)
         k = L.apply_rope_neox(L.rms_norm(k, self.k_norm, a.eps), cos, sin)
-        out = torch.cat([L.attention(qi, ki, vi, c, r[0], a.head_dim ** -0.5, ends_here=True) for qi, ki, vi, c, r in
-                         zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, rots)])
+        out = L.attention_batch(q, k, v, caches, rots, sizes, a.head_dim ** -0.5)
         return F.linear(out, self.wo)
 
 
@@ -245,7 +244,7 @@ class Transformer(nn.Module):
         to ``states[i]``; the token-wise work (embedding, MoE, head) runs on
         all tokens together. Returns each sequence's logits."""
         sizes = [t.shape[0] for t in tokens]
-        rots = [advance(s, n) for s, n in zip(states, sizes)]
+        rots = L.Rots(advance(s, n) for s, n in zip(states, sizes))
         x = F.embedding(torch.cat(tokens), self.tok_embd)
         ends = [s.length + n for s, n in zip(states, sizes)]      # each sequence's length after this step
         for il, layer in enumerate(self.layers):

@@ -112,18 +112,18 @@ class GatedAttention(nn.Module):
         return F.linear(out, self.wo)
 
     def forward_batch(self, x: Tensor, sizes: list[int], caches: list, rots: list) -> Tensor:
-        """Several sequences: projections and rotary on all tokens, attention per sequence."""
+        """Several sequences: projections and rotary on all tokens, attention by
+        :func:`~fle_engine.layers.attention_batch`."""
         a = self.a
         n_tok, hd = x.shape[0], a.head_dim
-        cos, sin = torch.cat([r[1] for r in rots]), torch.cat([r[2] for r in rots])
+        cos, sin = L.rot_cat(rots, 1), L.rot_cat(rots, 2)
         qg = F.linear(x, self.wq).view(n_tok, a.n_head, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
         k = F.linear(x, self.wk).view(n_tok, a.n_head_kv, hd)
         v = F.linear(x, self.wv).view(n_tok, a.n_head_kv, hd)
         q = L.apply_rope_neox(L.rms_norm(q, self.q_norm, a.eps), cos, sin)
         k = L.apply_rope_neox(L.rms_norm(k, self.k_norm, a.eps), cos, sin)
-        out = torch.cat([L.attention(qi, ki, vi, c, r[0], a.attn_scale, ends_here=True) for qi, ki, vi, c, r in
-                         zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, rots)])
+        out = L.attention_batch(q, k, v, caches, rots, sizes, a.attn_scale)
         out = out * torch.sigmoid(gate.reshape(n_tok, a.n_head * hd))
         return F.linear(out, self.wo)
 
@@ -185,18 +185,52 @@ class GatedDeltaNet(nn.Module):
         state.ssm.copy_(s)
         return o
 
+    def _delta_step(self, qkv: Tensor, beta: Tensor, g: Tensor, pool: L.GDNState) -> Tensor:
+        """:meth:`_delta` of S sequences' one new token each (``qkv`` [S, C],
+        ``beta``, ``g`` [S, Hv]) whose states are the rows of ``pool``
+        (``conv`` [S, K-1, C], ``ssm`` [S, Hv, Dv, Dk], updated in place):
+        the same arithmetic, with the sequences' heads side by side as one
+        step's heads. Returns [S, Hv, Dv]."""
+        a = self.a
+        n, dk, nk, nv = qkv.shape[0], a.d_state, a.n_k_heads, a.n_v_heads
+        full = torch.cat([pool.conv.to(qkv.dtype), qkv[:, None]], dim=1)      # [S, K, C]
+        conv = torch.zeros_like(qkv)
+        for i in range(self.conv.shape[1]):                                 # as causal_conv1d, per sequence
+            conv = conv + full[:, i] * self.conv[:, i]
+        pool.conv.copy_(full[:, 1:])
+        conv = F.silu(conv)
+        q = conv[:, :dk * nk].view(n, nk, dk)
+        k = conv[:, dk * nk:2 * dk * nk].view(n, nk, dk)
+        v = conv[:, 2 * dk * nk:].view(n, nv, dk)
+        q = L.l2_norm(q, a.eps)[:, :, None].expand(n, nk, nv // nk, dk).reshape(1, n * nv, dk)
+        k = L.l2_norm(k, a.eps)[:, :, None].expand(n, nk, nv // nk, dk).reshape(1, n * nv, dk)
+        o, s = L.gdn_recurrent(q, k, v.reshape(1, n * nv, dk), g.reshape(1, n * nv), beta.reshape(1, n * nv),
+                               pool.ssm.reshape(n * nv, *pool.ssm.shape[2:]))
+        pool.ssm.copy_(s.view(pool.ssm.shape))
+        return o.view(n, nv, -1)
+
     def forward_batch(self, x: Tensor, sizes: list[int], states: list) -> Tensor:
         """Several sequences: the projections, norm and output on all tokens
-        at once, the conv and the delta rule per sequence (its carried state)."""
+        at once, the conv and the delta rule per sequence (its carried
+        state), or, for one new token each with states that are rows of one
+        pool (:func:`~fle_engine.layers.stacked`), for all at once."""
         a = self.a
         n_tok, dk, nv = x.shape[0], a.d_state, a.n_v_heads
         qkv_all = F.linear(x, self.wqkv)
         z = F.linear(x, self.wz).view(n_tok, nv, dk)
         beta_all = torch.sigmoid(F.linear(x, self.wb))                  # [T, Hv]
         g_all = F.softplus(F.linear(x, self.wa) + self.dt_bias) * self.ssm_a
-        outs = [self._delta(qkv, beta, g, state).to(x.dtype)
-                for qkv, beta, g, state in zip(qkv_all.split(sizes), beta_all.split(sizes), g_all.split(sizes), states)]
-        o = L.rms_norm(outs[0] if len(outs) == 1 else torch.cat(outs), self.norm, a.eps) * F.silu(z)
+        pooled = None
+        if len(sizes) > 1 and all(n == 1 for n in sizes):
+            conv, ssm = L.stacked([s.conv for s in states]), L.stacked([s.ssm for s in states])
+            pooled = None if conv is None or ssm is None else L.GDNState(conv, ssm)
+        if pooled is not None:
+            o = self._delta_step(qkv_all, beta_all, g_all, pooled).to(x.dtype)
+        else:
+            outs = [self._delta(qkv, beta, g, state).to(x.dtype) for qkv, beta, g, state in
+                    zip(qkv_all.split(sizes), beta_all.split(sizes), g_all.split(sizes), states)]
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        o = L.rms_norm(o, self.norm, a.eps) * F.silu(z)
         return F.linear(o.reshape(n_tok, nv * dk), self.wout)
 
 

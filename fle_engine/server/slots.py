@@ -13,7 +13,10 @@ nothing touches a busy slot's state.
 One worker thread runs rounds: each active slot advances by one prompt
 chunk or one token per round, and on the reference path all of a round's
 sequences go through the model in one batched forward
-(``Model.forward_batch``). With MTP drafts or the GPU engine, each slot
+(``Model.forward_batch``). With several slots, the slots' attention caches
+and GDN states are rows of one buffer per layer, so that a round of one
+token per slot attends (and runs the delta rule) for all slots at once
+instead of once per slot. With MTP drafts or the GPU engine, each slot
 runs its own token generator; the GPU engine serves one slot at a time.
 """
 from __future__ import annotations
@@ -36,6 +39,7 @@ from fle_quant.errors import FleError
 
 from ..sampling import Sampler, SamplerParams, generate_tokens
 from ..speculative import SpecStats, generate_speculative
+from .. import layers as L
 from . import cache as C
 from .text import StopScanner
 
@@ -217,6 +221,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._batched = hasattr(model, "forward_batch")
         self._truncatable: bool | None = None
+        self._pools: dict[int, tuple[torch.Tensor, ...]] = {}   # per layer, see _new_state
         # counters for /metrics
         self.n_prompt_total = self.n_predicted_total = self.n_requests = self.n_cached_total = 0
         self.t_prompt_total = self.t_predicted_total = 0.0
@@ -400,12 +405,41 @@ class Engine:
         if self.cache.enabled and slot.tokens and slot.cacheable and slot.state is not None:
             self.cache.put(list(slot.tokens), C.snapshot(slot.state, len(slot.tokens)), slot.logits)
 
+    def _new_state(self, slot: Slot):
+        """A new state for ``slot``. With several slots, its attention caches
+        and GDN states are the slot's rows of buffers per layer shared by all
+        slots (zeroed here), so that a batched decode step reads and updates
+        every slot's keys and values, or recurrent state, as one tensor
+        (:func:`fle_engine.layers.stacked`)."""
+        st = self.model.new_state(slot.n_ctx)
+        layers = getattr(st, "layers", None)
+        if self.n_parallel < 2 or not isinstance(layers, list):
+            return st
+        for il, c in enumerate(layers):
+            if type(c) is L.AttnCache:
+                names = ("k", "v")
+            elif type(c) is L.GDNState:
+                names = ("conv", "ssm")
+            else:
+                continue
+            parts = [getattr(c, f) for f in names]
+            pool = self._pools.get(il)
+            if pool is None or any(p.shape[1:] != t.shape or p.dtype != t.dtype or p.device != t.device
+                                   for p, t in zip(pool, parts)):
+                pool = tuple(t.new_zeros((self.n_parallel, *t.shape)) for t in parts)
+                self._pools[il] = pool
+            rows = [p[slot.id] for p in pool]
+            for r in rows:
+                r.zero_()
+            layers[il] = type(c)(*rows)
+        return st
+
     def _fresh_state(self, slot: Slot) -> None:
         if slot.state is not None and self._can_truncate():
             slot.state.pos.fill_(0)
             slot.state.length = 0
         else:
-            slot.state = self.model.new_state(slot.n_ctx)
+            slot.state = self._new_state(slot)
         slot.tokens, slot.logits = [], None
 
     def _prepare(self, slot: Slot, job: Job) -> int:
@@ -423,7 +457,7 @@ class Engine:
             if slot.tokens != entry.tokens:
                 self._keep_in_cache(slot)
             if slot.state is None:
-                slot.state = self.model.new_state(slot.n_ctx)
+                slot.state = self._new_state(slot)
             C.restore(entry.snap, slot.state)
             slot.tokens, slot.logits = list(entry.tokens), entry.logits
             have = from_cache
@@ -495,7 +529,7 @@ class Engine:
                 continue
             self._keep_in_cache(cs)
             if cs.state is None:
-                cs.state = self.model.new_state(cs.n_ctx)
+                cs.state = self._new_state(cs)
             C.restore(snap, cs.state)
             cs.tokens, cs.logits = list(s.tokens), s.logits
             c.pos = c.n_cached = len(c.job.prompt)
@@ -749,7 +783,7 @@ class Engine:
             if snap.n > s.n_ctx:
                 raise FleError(f"the saved slot holds {snap.n} tokens; a slot here holds {s.n_ctx}")
             if s.state is None:
-                s.state = self.model.new_state(s.n_ctx)
+                s.state = self._new_state(s)
             C.restore(snap, s.state)
             s.tokens, s.logits, s.cacheable = tokens, logits, True
             return {"id_slot": sid, "filename": arg, "n_restored": len(tokens), "n_read": nbytes,
