@@ -33,7 +33,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["dot32_s8", "dot16_s8", "dot32_lo4", "dot32_hi4", "dot_iq4", "dot8_scaled", "dot_halves", "dot_iq4_xs",
-           "dot_q4_k", "dot_iq3_s", "dot_iq3_xxs", "dot_iq2_xs", "AVX2", "f16_at"]
+           "dot_q4_k", "dot_iq3_s", "dot_iq3_xxs", "dot_iq2_xs", "q8_0_x8", "dot_q6_k", "blk_q4_k", "blk_q5_k",
+           "AVX2", "f16_at"]
 
 
 def _make(n: int, kind: str):
@@ -520,6 +521,199 @@ def _dot_q4_k_avx2(typingctx, w, o, sc, x, xo):
     return types.int64(w, types.int64, sc, x, types.int64), codegen
 
 
+# ---------------------------------------------------------------------------
+# AVX2 block kernels that read the block's bytes in vector registers: Q8_0 in
+# groups of 8 blocks, Q6_K, and Q4_K / Q5_K with their 6-bit scales and mins
+# unpacked in registers (no scratch) and the block's float step fused in.
+
+
+def _base(context, builder, ty, arr, off=None):
+    """i8* to arr's data (+ ``off`` bytes)."""
+    p = builder.bitcast(context.make_array(ty)(context, builder, arr).data, _I8.as_pointer())
+    return p if off is None else builder.gep(p, [off])
+
+
+def _ld(builder, base, off, n):
+    """<n x i8> at base + off (off: a Python int or an i64 value)."""
+    o = _I64(off) if isinstance(off, int) else off
+    return builder.load(builder.bitcast(builder.gep(base, [o]), ir.VectorType(_I8, n).as_pointer()), align=1)
+
+
+def _ld_f16(builder, base, off):
+    h = builder.load(builder.bitcast(builder.gep(base, [_I64(off)]), ir.HalfType().as_pointer()), align=1)
+    return builder.fpext(h, ir.FloatType())
+
+
+def _splat16(builder, v16, lanes):
+    """<16 x i16> whose lane i is lane ``lanes[i]`` of ``v16`` (<16 x i16>)."""
+    return builder.shuffle_vector(v16, ir.Constant(v16.type, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16),
+                                                                                        list(lanes)))
+
+
+def _phadd(builder, a, b):
+    v8 = ir.VectorType(_I32, 8)
+    return builder.call(_fn(builder, "llvm.x86.avx2.phadd.d", v8, [v8, v8]), [a, b])
+
+
+def _sums8(builder, vs):
+    """8 vectors <8 x i32> -> <8 x i32> of their lane sums (lane b: sum of vs[b])."""
+    h = [_phadd(builder, vs[2 * i], vs[2 * i + 1]) for i in range(4)]
+    a, b = _phadd(builder, h[0], h[1]), _phadd(builder, h[2], h[3])
+    idx = ir.VectorType(_I32, 8)
+    lo = builder.shuffle_vector(a, b, ir.Constant(idx, [0, 1, 2, 3, 8, 9, 10, 11]))
+    hi = builder.shuffle_vector(a, b, ir.Constant(idx, [4, 5, 6, 7, 12, 13, 14, 15]))
+    return builder.add(lo, hi)
+
+
+@intrinsic
+def _q8_0_x8_avx2(typingctx, w, o, x, xo, xd, xdo, a):
+    """Eight Q8_0 blocks at w[o:] (34 bytes each: fp16 d, 32 int8 codes)
+    against x[xo:xo + 256] (int8) with activation scales xd[xdo:xdo + 8]
+    (offsets into the arrays' data, in bytes for w and x, elements for xd):
+    ``a`` plus, block by block in order, (d_b * xd_b) * float(s_b), the
+    reference's float steps (8 integer sums reduced together, the float
+    products in one vector, the additions in block order)."""
+    if not all(isinstance(t, types.Array) for t in (w, x, xd)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        wb = _base(context, builder, sig.args[0], args[0], args[1])
+        xb = _base(context, builder, sig.args[2], args[2], args[3])
+        sums = []
+        dv = ir.Constant(ir.VectorType(_I16, 8), ir.Undefined)
+        for b in range(8):
+            u, s = _signed(builder, _ld(builder, wb, 34 * b + 2, 32), _ld(builder, xb, 32 * b, 32))
+            sums.append(_madd(builder, u, s))
+            h = builder.load(builder.bitcast(builder.gep(wb, [_I64(34 * b)]), _I16.as_pointer()), align=1)
+            dv = builder.insert_element(dv, h, _I32(b))
+        s8 = builder.sitofp(_sums8(builder, sums), ir.VectorType(f32, 8))
+        dw = builder.fpext(builder.bitcast(dv, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(f32, 8))
+        xdp = builder.gep(builder.bitcast(context.make_array(sig.args[4])(context, builder, args[4]).data,
+                                          f32.as_pointer()), [args[5]])
+        xv = builder.load(builder.bitcast(xdp, ir.VectorType(f32, 8).as_pointer()), align=4)
+        c = builder.fmul(builder.fmul(dw, xv), s8)
+        acc = args[6]
+        for b in range(8):
+            acc = builder.fadd(acc, builder.extract_element(c, _I32(b)))
+        return acc
+
+    return types.float32(w, types.int64, x, types.int64, xd, types.int64, types.float32), codegen
+
+
+@intrinsic
+def _dot_q6_k_avx2(typingctx, w, o, x, xo):
+    """One Q6_K block at w[o:] (ql[128] | qh[64] | int8 scales[16] | fp16 d)
+    against x[xo:xo + 256]: sum over its 16-value groups g of scale_g * sum
+    of (q - 32) * x, q = 4 low bits from ql, 2 high from qh (0..63). As
+    ggml: pmaddubsw of q and of 32 with x, their difference times the
+    scales (pmaddwd) into int32 lanes, one reduction."""
+    if not all(isinstance(t, types.Array) for t in (w, x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v8 = ir.VectorType(_I8, 32)
+        v16 = ir.VectorType(_I16, 16)
+        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
+        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [v16, v16])
+        wb = _base(context, builder, sig.args[0], args[0], args[1])
+        xb = _base(context, builder, sig.args[2], args[2], args[3])
+        sc = builder.sext(_ld(builder, wb, 192, 16), v16)
+        m15, m3 = ir.Constant(v8, [15] * 32), ir.Constant(v8, [3] * 32)
+        c32 = ir.Constant(v8, [32] * 32)
+        acc = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
+        for h in range(2):
+            ql = [_ld(builder, wb, 64 * h, 32), _ld(builder, wb, 64 * h + 32, 32)]
+            qh = _ld(builder, wb, 128 + 32 * h, 32)
+            for k in range(4):
+                lo = ql[k & 1]
+                lo = builder.and_(lo, m15) if k < 2 else builder.lshr(lo, ir.Constant(v8, [4] * 32))
+                hb = qh if k == 0 else builder.lshr(qh, ir.Constant(v8, [2 * k] * 32))
+                q = builder.or_(lo, builder.shl(builder.and_(hb, m3), ir.Constant(v8, [4] * 32)))
+                xv = _ld(builder, xb, 128 * h + 32 * k, 32)
+                p16 = builder.sub(builder.call(mub, [q, xv]), builder.call(mub, [c32, xv]))
+                g = 8 * h + 2 * k
+                acc = builder.add(acc, builder.call(mw, [p16, _splat16(builder, sc, [g] * 8 + [g + 1] * 8)]))
+        return _reduce(builder, acc)
+
+    return types.int64(w, types.int64, x, types.int64), codegen
+
+
+def _scales_mins_k4(builder, wb):
+    """The 8 6-bit scales and 8 mins of a Q4_K / Q5_K block (12 bytes at
+    w + 4, as _scale_min_k4) -> <16 x i16>: scales in lanes 0..7, mins in
+    8..15 (ggml's utmp shuffle of three 32-bit words)."""
+    def word(off):
+        return builder.load(builder.bitcast(builder.gep(wb, [_I64(off)]), _I32.as_pointer()), align=1)
+
+    u0, u1, u2 = word(4), word(8), word(12)
+    k1, k2, k3 = _I32(0x3F3F3F3F), _I32(0x0F0F0F0F), _I32(0x03030303)
+    t3 = builder.or_(builder.and_(builder.lshr(u2, _I32(4)), k2),
+                     builder.shl(builder.and_(builder.lshr(u1, _I32(6)), k3), _I32(4)))
+    t2 = builder.and_(u1, k1)
+    t1 = builder.or_(builder.and_(u2, k2), builder.shl(builder.and_(builder.lshr(u0, _I32(6)), k3), _I32(4)))
+    t0 = builder.and_(u0, k1)
+    v = ir.Constant(ir.VectorType(_I32, 4), ir.Undefined)
+    for i, t in enumerate((t0, t1, t2, t3)):
+        v = builder.insert_element(v, t, _I32(i))
+    return builder.zext(builder.bitcast(v, ir.VectorType(_I8, 16)), ir.VectorType(_I16, 16))
+
+
+def _blk_k4(hbits: bool):
+    """One Q4_K (hbits False: 144 bytes, nibbles at 16) or Q5_K (True: 176
+    bytes, high bits qh[32] at 16, nibbles at 48) block at w[o:] against
+    x[xo:xo + 256] with its 32-value sums xs[xso:xso + 8] and scale ``xd``:
+    the block's float contribution (d * xd) * float(S) - (dmin * xd) *
+    float(M) as the reference computes it (S: scales . codes . x, M: mins . xs)."""
+    def impl(typingctx, w, o, x, xo, xs, xso, xd):
+        if not all(isinstance(t, types.Array) for t in (w, x, xs)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v8 = ir.VectorType(_I8, 32)
+            v16 = ir.VectorType(_I16, 16)
+            mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
+            mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [v16, v16])
+            wb = _base(context, builder, sig.args[0], args[0], args[1])
+            xb = _base(context, builder, sig.args[2], args[2], args[3])
+            sm = _scales_mins_k4(builder, wb)
+            qo = 48 if hbits else 16
+            qh = _ld(builder, wb, 16, 32) if hbits else None
+            acc = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
+            for c in range(4):
+                q = _ld(builder, wb, qo + 32 * c, 32)
+                for h in range(2):
+                    n = _nibbles(builder, q, h == 1)
+                    j = 2 * c + h
+                    if hbits:
+                        hb = qh if j == 0 else builder.lshr(qh, ir.Constant(v8, [j] * 32))
+                        n = builder.or_(n, builder.shl(builder.and_(hb, ir.Constant(v8, [1] * 32)),
+                                                       ir.Constant(v8, [4] * 32)))
+                    p16 = builder.call(mub, [n, _ld(builder, xb, 64 * c + 32 * h, 32)])
+                    acc = builder.add(acc, builder.call(mw, [p16, _splat16(builder, sm, [j] * 16)]))
+            s = builder.call(_fn(builder, "llvm.vector.reduce.add.v8i32", _I32, [acc.type]), [acc])
+            # M = sum over the 8 32-value groups of min_j * xs[j]
+            v8i = ir.VectorType(_I32, 8)
+            mins = builder.zext(builder.shuffle_vector(sm, ir.Constant(v16, ir.Undefined),
+                                                       ir.Constant(ir.VectorType(_I32, 8), list(range(8, 16)))), v8i)
+            xsp = builder.gep(builder.bitcast(context.make_array(sig.args[4])(context, builder, args[4]).data,
+                                              _I32.as_pointer()), [args[5]])
+            xsv = builder.load(builder.bitcast(xsp, v8i.as_pointer()), align=4)
+            m = builder.call(_fn(builder, "llvm.vector.reduce.add.v8i32", _I32, [v8i]), [builder.mul(mins, xsv)])
+            f32 = ir.FloatType()
+            xdv = args[6]
+            v = builder.fmul(builder.fmul(_ld_f16(builder, wb, 0), xdv), builder.sitofp(s, f32))
+            return builder.fsub(v, builder.fmul(builder.fmul(_ld_f16(builder, wb, 2), xdv), builder.sitofp(m, f32)))
+
+        return types.float32(w, types.int64, x, types.int64, xs, types.int64, types.float32), codegen
+
+    impl.__name__ = "_blk_q5_k_avx2" if hbits else "_blk_q4_k_avx2"
+    return intrinsic(impl)
+
+
+_blk_q4_k_avx2, _blk_q5_k_avx2 = _blk_k4(False), _blk_k4(True)
+
+
 @njit(cache=True, inline="always")
 def _dot8_scaled_portable(w8, sc, x, xo):
     s = np.int64(0)
@@ -555,8 +749,10 @@ if AVX2:
     dot8_scaled, dot_iq4_xs, dot_q4_k = _dot8_scaled_avx2, _dot_iq4_xs_avx2, _dot_q4_k_avx2
     dot_halves = _dot_halves_avx2
     dot_iq3_s, dot_iq3_xxs, dot_iq2_xs = _dot_iq3_s_avx2, _dot_iq3_xxs_avx2, _dot_iq2_xs_avx2
+    q8_0_x8, dot_q6_k, blk_q4_k, blk_q5_k = _q8_0_x8_avx2, _dot_q6_k_avx2, _blk_q4_k_avx2, _blk_q5_k_avx2
 else:
     dot_iq3_s = dot_iq3_xxs = dot_iq2_xs = None     # the callers decode in numba instead (fle_numba)
+    q8_0_x8 = dot_q6_k = blk_q4_k = blk_q5_k = None
     dot8_scaled, dot_iq4_xs, dot_q4_k = _dot8_scaled_portable, _dot_iq4_xs_portable, _dot_q4_k_portable
     dot_halves = _dot_halves_portable
 
