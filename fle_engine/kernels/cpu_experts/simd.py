@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 __all__ = ["dot32_s8", "dot16_s8", "dot32_lo4", "dot32_hi4", "dot_iq4", "dot8_scaled", "dot_halves", "dot_iq4_xs",
            "dot_q4_k", "dot_iq3_s", "dot_iq3_xxs", "dot_iq2_xs", "q8_0_x8", "dot_q6_k", "blk_q4_k", "blk_q5_k",
-           "AVX2", "f16_at"]
+           "dot_iq4_xs_r", "AVX2", "f16_at"]
 
 
 def _make(n: int, kind: str):
@@ -350,8 +350,7 @@ def _dot_iq3_s_avx2(typingctx, w, o, grid, x, xo):
         def byte(off):
             return builder.zext(builder.load(builder.gep(base, [_I64(off)])), _I32)
 
-        bits = ir.Constant(v8, [1 << (i % 8) for i in range(32)])
-        zero8 = ir.Constant(v8, [0] * 32)
+        signs = _ld(builder, base, 74, 32)
         acc = ir.Constant(v32i, [0] * 8)
         for j in range(8):
             qh = byte(66 + j)
@@ -362,123 +361,15 @@ def _dot_iq3_s_avx2(typingctx, w, o, grid, x, xo):
                 vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [i1])), _I32(2 * l))
                 vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [i2])), _I32(2 * l + 1))
             u = builder.bitcast(vals, v8)
-            # the 32 sign bits of the sub-block: byte l's 8 bits for values 8 l .. 8 l + 7
-            sb = builder.load(builder.bitcast(builder.gep(base, [_I64(74 + 4 * j)]), _I32.as_pointer()), align=1)
-            sv = builder.bitcast(builder.insert_element(ir.Constant(ir.VectorType(_I32, 8), [0] * 8), sb, _I32(0)),
-                                 v8)
-            spread = builder.shuffle_vector(sv, ir.Constant(v8, ir.Undefined),
-                                            ir.Constant(ir.VectorType(_I32, 32), [i // 8 for i in range(32)]))
-            neg = builder.icmp_unsigned("!=", builder.and_(spread, bits), zero8)
+            # the 32 sign bits of the sub-block: byte 4 j + l's 8 bits for values 8 l .. 8 l + 7
             xv = _vload(context, builder, sig.args[3], args[3], builder.add(args[4], _I64(32 * j)), 32)
-            sx = builder.select(neg, builder.sub(zero8, xv), xv)
+            sx = _psign_bytes(builder, signs, j, xv)
             sc = builder.add(builder.shl(builder.and_(builder.lshr(byte(106 + j // 2), _I32(4 * (j & 1))), _I32(15)),
                                          _I32(1)), _I32(1))
             acc = builder.add(acc, _madd(builder, u, sx, builder.trunc(sc, _I16)))
         return _reduce(builder, acc)
 
     return types.int64(w, types.int64, grid, x, types.int64), codegen
-
-
-def _signs_onto(builder, sb, xv):
-    """x with the sign of each of its 32 lanes flipped where bit i % 8 of
-    byte i // 8 of ``sb`` (an i32 of four sign bytes) is set."""
-    v8 = ir.VectorType(_I8, 32)
-    zero8 = ir.Constant(v8, [0] * 32)
-    sv = builder.bitcast(builder.insert_element(ir.Constant(ir.VectorType(_I32, 8), [0] * 8), sb, _I32(0)), v8)
-    spread = builder.shuffle_vector(sv, ir.Constant(v8, ir.Undefined),
-                                    ir.Constant(ir.VectorType(_I32, 32), [i // 8 for i in range(32)]))
-    neg = builder.icmp_unsigned("!=", builder.and_(spread, ir.Constant(v8, [1 << (i % 8) for i in range(32)])), zero8)
-    return builder.select(neg, builder.sub(zero8, xv), xv)
-
-
-def _sign_word(builder, bytes4):
-    """Four i8 values -> one i32 (byte l = the l-th)."""
-    v = ir.Constant(ir.VectorType(_I8, 4), ir.Undefined)
-    for i, b in enumerate(bytes4):
-        v = builder.insert_element(v, b, _I32(i))
-    return builder.bitcast(v, _I32)
-
-
-@intrinsic
-def _dot_iq3_xxs_avx2(typingctx, w, o, grid, ksigns, x, xo):
-    """One IQ3_XXS block at w[o:] (d | qs[64] | 8 x u32 scale and sign
-    indices): sum over sub-blocks of (1 + 2 * (aux >> 28)) * sum of sign *
-    grid value * x. ``grid``: uint32 [256]; ``ksigns``: uint8 [128]."""
-    if not all(isinstance(a, types.Array) for a in (w, grid, ksigns, x)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v32i = ir.VectorType(_I32, 8)
-        base = builder.gep(builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data,
-                                           _I8.as_pointer()), [args[1]])
-        gdata = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data, _I32.as_pointer())
-        kdata = builder.bitcast(context.make_array(sig.args[3])(context, builder, args[3]).data, _I8.as_pointer())
-
-        def byte(off):
-            return builder.zext(builder.load(builder.gep(base, [_I64(off)])), _I32)
-
-        acc = ir.Constant(v32i, [0] * 8)
-        for j in range(8):
-            aux = builder.load(builder.bitcast(builder.gep(base, [_I64(66 + 4 * j)]), _I32.as_pointer()), align=1)
-            vals = ir.Constant(v32i, ir.Undefined)
-            signs = []
-            for l in range(4):
-                for h in range(2):
-                    g = builder.load(builder.gep(gdata, [byte(2 + 8 * j + 2 * l + h)]))
-                    vals = builder.insert_element(vals, g, _I32(2 * l + h))
-                k = builder.and_(builder.lshr(aux, _I32(7 * l)), _I32(127))
-                signs.append(builder.load(builder.gep(kdata, [k])))
-            xv = _vload(context, builder, sig.args[4], args[4], builder.add(args[5], _I64(32 * j)), 32)
-            sx = _signs_onto(builder, _sign_word(builder, signs), xv)
-            sc = builder.add(builder.shl(builder.lshr(aux, _I32(28)), _I32(1)), _I32(1))
-            acc = builder.add(acc, _madd(builder, builder.bitcast(vals, ir.VectorType(_I8, 32)), sx,
-                                         builder.trunc(sc, _I16)))
-        return _reduce(builder, acc)
-
-    return types.int64(w, types.int64, grid, ksigns, x, types.int64), codegen
-
-
-@intrinsic
-def _dot_iq2_xs_avx2(typingctx, w, o, grid, ksigns, x, xo):
-    """One IQ2_XS block at w[o:] (d | 32 x u16: 9-bit grid index, 7-bit
-    sign index | scales[8]): sum over sub-blocks of the two halves' scales
-    (1 + 2 * nibble) times sum of sign * grid value * x. ``grid``: uint64
-    [512] (8 values each); ``ksigns``: uint8 [128]."""
-    if not all(isinstance(a, types.Array) for a in (w, grid, ksigns, x)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v16 = ir.VectorType(_I16, 16)
-        v32i, v4 = ir.VectorType(_I32, 8), ir.VectorType(_I64, 4)
-        base = builder.gep(builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data,
-                                           _I8.as_pointer()), [args[1]])
-        gdata = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data, _I64.as_pointer())
-        kdata = builder.bitcast(context.make_array(sig.args[3])(context, builder, args[3]).data, _I8.as_pointer())
-        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", v32i, [v16, v16])
-        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [ir.VectorType(_I8, 32)] * 2)
-        acc = ir.Constant(v32i, [0] * 8)
-        for j in range(8):
-            vals = ir.Constant(v4, ir.Undefined)
-            signs = []
-            for l in range(4):
-                q = builder.zext(builder.load(builder.bitcast(builder.gep(base, [_I64(2 + 8 * j + 2 * l)]),
-                                                              _I16.as_pointer()), align=1), _I32)
-                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [builder.and_(q, _I32(511))])),
-                                              _I32(l))
-                signs.append(builder.load(builder.gep(kdata, [builder.lshr(q, _I32(9))])))
-            xv = _vload(context, builder, sig.args[4], args[4], builder.add(args[5], _I64(32 * j)), 32)
-            sx = _signs_onto(builder, _sign_word(builder, signs), xv)
-            p16 = builder.call(mub, [builder.bitcast(vals, ir.VectorType(_I8, 32)), sx])
-            sb = builder.zext(builder.load(builder.gep(base, [_I64(66 + j)])), _I16)
-            lo = builder.add(builder.shl(builder.and_(sb, _I16(15)), _I16(1)), _I16(1))
-            hi = builder.add(builder.shl(builder.lshr(sb, _I16(4)), _I16(1)), _I16(1))
-            m = ir.Constant(v16, ir.Undefined)
-            for i in range(16):
-                m = builder.insert_element(m, lo if i < 8 else hi, _I32(i))
-            acc = builder.add(acc, builder.call(mw, [p16, m]))
-        return _reduce(builder, acc)
-
-    return types.int64(w, types.int64, grid, ksigns, x, types.int64), codegen
 
 
 @intrinsic
@@ -499,6 +390,42 @@ def _dot_iq4_xs_avx2(typingctx, w, o, sc, x, xo):
         return _reduce(builder, acc)
 
     return types.int64(w, types.int64, sc, x, types.int64), codegen
+
+
+@intrinsic
+def _dot_iq4_xs_avx2r(typingctx, w, o, x, xo):
+    """One IQ4_XS block at w[o:] (d | scales_h u16 | scales_l[4] | qs[128])
+    against x[xo:xo + 256], its 6-bit scales (minus 32) unpacked in vector
+    lanes: sum over sub-blocks j of scale_j * the code book's values . x."""
+    if not all(isinstance(a, types.Array) for a in (w, x)):
+        return None
+    table = _kvalues()
+
+    def codegen(context, builder, sig, args):
+        v8h, v16 = ir.VectorType(_I16, 8), ir.VectorType(_I16, 16)
+        wb = _base(context, builder, sig.args[0], args[0], args[1])
+        xb = _base(context, builder, sig.args[2], args[2], args[3])
+        lo4 = _ld(builder, wb, 4, 4)
+        lo = builder.zext(builder.shuffle_vector(lo4, ir.Constant(lo4.type, ir.Undefined),
+                                                 ir.Constant(ir.VectorType(_I32, 8), [0, 0, 1, 1, 2, 2, 3, 3])), v8h)
+        lo = builder.and_(builder.lshr(lo, ir.Constant(v8h, [0, 4] * 4)), ir.Constant(v8h, [15] * 8))
+        sh = builder.load(builder.bitcast(builder.gep(wb, [_I64(2)]), _I16.as_pointer()), align=1)
+        shv = builder.shuffle_vector(builder.insert_element(ir.Constant(v8h, ir.Undefined), sh, _I32(0)),
+                                     ir.Constant(v8h, ir.Undefined), ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+        hi = builder.and_(builder.lshr(shv, ir.Constant(v8h, [2 * j for j in range(8)])), ir.Constant(v8h, [3] * 8))
+        sc8 = builder.sub(builder.or_(lo, builder.shl(hi, ir.Constant(v8h, [4] * 8))), ir.Constant(v8h, [32] * 8))
+        sc = builder.shuffle_vector(sc8, ir.Constant(v8h, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16),
+                                                                                    list(range(8)) * 2))
+        acc = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
+        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [v16, v16])
+        for j in range(8):
+            u, s = _signed(builder, _iq4_values(builder, _ld(builder, wb, 8 + 16 * j, 16), table),
+                           _ld(builder, xb, 32 * j, 32))
+            p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [ir.VectorType(_I8, 32)] * 2), [u, s])
+            acc = builder.add(acc, builder.call(mw, [p16, _splat16(builder, sc, [j] * 16)]))
+        return _reduce(builder, acc)
+
+    return types.int64(w, types.int64, x, types.int64), codegen
 
 
 @intrinsic
@@ -714,6 +641,133 @@ def _blk_k4(hbits: bool):
 _blk_q4_k_avx2, _blk_q5_k_avx2 = _blk_k4(False), _blk_k4(True)
 
 
+_PARITY = [(bin(i).count("1") & 1) << 7 for i in range(16)] * 2    # 4 bits -> 0x80 where their parity is odd
+
+
+def _parity7(builder, s, width):
+    """Lanes of ``s`` (<n x i{width}>, values 0..127) with bit 7 set where
+    they hold an odd number of set bits: KSIGNS[s], computed (the 7 bits
+    folded to 4, then pshufb of a 16-entry table)."""
+    n = s.type.count
+    vt = s.type
+    f = builder.and_(builder.xor(s, builder.lshr(s, ir.Constant(vt, [4] * n))), ir.Constant(vt, [15] * n))
+    v8 = ir.VectorType(_I8, 32)
+    par = builder.call(_fn(builder, "llvm.x86.avx2.pshuf.b", v8, [v8, v8]),
+                       [ir.Constant(v8, _PARITY), builder.bitcast(f, v8)])
+    return builder.or_(s, builder.bitcast(par, vt))
+
+
+def _psign_bytes(builder, words, j, xv):
+    """x with its 32 lanes' signs flipped where bit i % 8 of byte 4 j + i // 8
+    of ``words`` (<32 x i8>) is set (psign by -1 / +1)."""
+    v8 = ir.VectorType(_I8, 32)
+    spread = builder.shuffle_vector(words, ir.Constant(v8, ir.Undefined),
+                                    ir.Constant(ir.VectorType(_I32, 32), [4 * j + i // 8 for i in range(32)]))
+    bits = ir.Constant(v8, [1 << (i % 8) for i in range(32)])
+    # (spread & bit) + 127: 127 where the bit is clear, 128..255 (negative) where it is set: psign's operand,
+    # in two ALU operations (no compare into a mask register)
+    t = builder.add(builder.and_(spread, bits), ir.Constant(v8, [127] * 32))
+    return builder.call(_fn(builder, "llvm.x86.avx2.psign.b", v8, [v8, v8]), [xv, t])
+
+
+def _odd_scales(builder, sb8):
+    """<8 x i8> scale bytes -> <16 x i16>: 2 * low nibble + 1 in lanes 0..7,
+    2 * high nibble + 1 in 8..15."""
+    v16 = ir.VectorType(_I16, 16)
+    s = builder.zext(builder.shuffle_vector(sb8, ir.Constant(sb8.type, ir.Undefined),
+                                            ir.Constant(ir.VectorType(_I32, 16), list(range(8)) * 2)), v16)
+    sh = builder.lshr(s, ir.Constant(v16, [0] * 8 + [4] * 8))
+    return builder.add(builder.shl(builder.and_(sh, ir.Constant(v16, [15] * 16)), ir.Constant(v16, [1] * 16)),
+                       ir.Constant(v16, [1] * 16))
+
+
+@intrinsic
+def _dot_iq2_xs_avx2(typingctx, w, o, grid, x, xo):
+    """One IQ2_XS block at w[o:] (d | 32 x u16: 9-bit grid index, 7-bit
+    sign index | scales[8]): sum over sub-blocks of the two halves' scales
+    (1 + 2 * nibble) times sum of sign * grid value * x. ``grid``: uint64
+    [512] (8 values each). The sign bytes (KSIGNS of the 7-bit indices) are
+    computed for the whole block in vector lanes, as ggml does."""
+    if not all(isinstance(a, types.Array) for a in (w, grid, x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I16, 16)
+        v8 = ir.VectorType(_I8, 32)
+        v32i, v4 = ir.VectorType(_I32, 8), ir.VectorType(_I64, 4)
+        base = _base(context, builder, sig.args[0], args[0], args[1])
+        xb = _base(context, builder, sig.args[3], args[3], args[4])
+        gdata = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data, _I64.as_pointer())
+        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", v32i, [v16, v16])
+        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
+        # the 32 sign bytes: low byte of each 16-bit lane of KSIGNS[q >> 9]
+        halves = []
+        for i in range(2):
+            q = builder.bitcast(_ld(builder, base, 2 + 32 * i, 32), v16)
+            halves.append(_parity7(builder, builder.lshr(q, ir.Constant(v16, [9] * 16)), 16))
+        cat = builder.shuffle_vector(builder.bitcast(halves[0], v8), builder.bitcast(halves[1], v8),
+                                     ir.Constant(ir.VectorType(_I32, 32), list(range(0, 64, 2))))
+        sc = _odd_scales(builder, _ld(builder, base, 66, 8))
+        acc = ir.Constant(v32i, [0] * 8)
+        for j in range(8):
+            vals = ir.Constant(v4, ir.Undefined)
+            for l in range(4):
+                q = builder.zext(builder.load(builder.bitcast(builder.gep(base, [_I64(2 + 8 * j + 2 * l)]),
+                                                              _I16.as_pointer()), align=1), _I32)
+                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [builder.and_(q, _I32(511))])),
+                                              _I32(l))
+            sx = _psign_bytes(builder, cat, j, _ld(builder, xb, 32 * j, 32))
+            p16 = builder.call(mub, [builder.bitcast(vals, v8), sx])
+            acc = builder.add(acc, builder.call(mw, [p16, _splat16(builder, sc, [j] * 8 + [8 + j] * 8)]))
+        return _reduce(builder, acc)
+
+    return types.int64(w, types.int64, grid, x, types.int64), codegen
+
+
+@intrinsic
+def _dot_iq3_xxs_avx2(typingctx, w, o, grid, x, xo):
+    """One IQ3_XXS block at w[o:] (d | qs[64] | 8 x u32: four 7-bit sign
+    indices and a 4-bit scale): sum over sub-blocks of (1 + 2 * (aux >> 28))
+    * sum of sign * grid value * x. ``grid``: uint32 [256]. The sign words
+    of all 8 sub-blocks are computed in vector lanes."""
+    if not all(isinstance(a, types.Array) for a in (w, grid, x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I16, 16)
+        v8 = ir.VectorType(_I8, 32)
+        v32i = ir.VectorType(_I32, 8)
+        base = _base(context, builder, sig.args[0], args[0], args[1])
+        xb = _base(context, builder, sig.args[3], args[3], args[4])
+        gdata = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data, _I32.as_pointer())
+        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", v32i, [v16, v16])
+        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
+        aux = builder.bitcast(_ld(builder, base, 66, 32), v32i)
+        words = ir.Constant(v32i, [0] * 8)
+        for l in range(4):
+            s = builder.and_(builder.lshr(aux, ir.Constant(v32i, [7 * l] * 8)), ir.Constant(v32i, [127] * 8))
+            words = builder.or_(words, builder.shl(_parity7(builder, s, 32), ir.Constant(v32i, [8 * l] * 8)))
+        words = builder.bitcast(words, v8)
+        # scales 1 + 2 * (aux >> 28), as i16 pairs: lane 2 j holds sub-block j's
+        sc = builder.bitcast(builder.or_(builder.shl(builder.lshr(aux, ir.Constant(v32i, [28] * 8)),
+                                                     ir.Constant(v32i, [1] * 8)), ir.Constant(v32i, [1] * 8)), v16)
+
+        def byte(off):
+            return builder.zext(builder.load(builder.gep(base, [_I64(off)])), _I32)
+
+        acc = ir.Constant(v32i, [0] * 8)
+        for j in range(8):
+            vals = ir.Constant(v32i, ir.Undefined)
+            for i in range(8):
+                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [byte(2 + 8 * j + i)])), _I32(i))
+            sx = _psign_bytes(builder, words, j, _ld(builder, xb, 32 * j, 32))
+            p16 = builder.call(mub, [builder.bitcast(vals, v8), sx])
+            acc = builder.add(acc, builder.call(mw, [p16, _splat16(builder, sc, [2 * j] * 16)]))
+        return _reduce(builder, acc)
+
+    return types.int64(w, types.int64, grid, x, types.int64), codegen
+
+
 @njit(cache=True, inline="always")
 def _dot8_scaled_portable(w8, sc, x, xo):
     s = np.int64(0)
@@ -750,9 +804,10 @@ if AVX2:
     dot_halves = _dot_halves_avx2
     dot_iq3_s, dot_iq3_xxs, dot_iq2_xs = _dot_iq3_s_avx2, _dot_iq3_xxs_avx2, _dot_iq2_xs_avx2
     q8_0_x8, dot_q6_k, blk_q4_k, blk_q5_k = _q8_0_x8_avx2, _dot_q6_k_avx2, _blk_q4_k_avx2, _blk_q5_k_avx2
+    dot_iq4_xs_r = _dot_iq4_xs_avx2r
 else:
     dot_iq3_s = dot_iq3_xxs = dot_iq2_xs = None     # the callers decode in numba instead (fle_numba)
-    q8_0_x8 = dot_q6_k = blk_q4_k = blk_q5_k = None
+    q8_0_x8 = dot_q6_k = blk_q4_k = blk_q5_k = dot_iq4_xs_r = None
     dot8_scaled, dot_iq4_xs, dot_q4_k = _dot8_scaled_portable, _dot_iq4_xs_portable, _dot_q4_k_portable
     dot_halves = _dot_halves_portable
 
