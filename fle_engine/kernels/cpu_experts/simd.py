@@ -331,6 +331,38 @@ def _dot_halves_portable(w8, sc, x, xo):
     return s
 
 
+def _escape(builder, ptr):
+    """An empty asm statement that takes ``ptr`` and clobbers memory: what
+    was stored through it must be in memory and is read back from there
+    (LLVM would otherwise forward the stored vector as lane extracts)."""
+    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "", "r,~{memory}", side_effect=True)
+    builder.call(asm, [ptr])
+
+
+def _scale_splats(builder, v):
+    """<8 x i32> of eight sub-block scales (each fits int16) -> eight <16 x
+    i16> vectors, the j-th holding scale j in every lane: pmaddwd's
+    multipliers. The scales go through a stack slot as pairs (s, s) so that
+    each splat is one broadcast load (vpbroadcastd m32: a load, no shuffle
+    port), not a lane shuffle per sub-block."""
+    v8 = v.type
+    wv = builder.or_(builder.and_(v, ir.Constant(v8, [0xFFFF] * 8)), builder.shl(v, ir.Constant(v8, [16] * 8)))
+    slot = cgutils.alloca_once(builder, v8)
+    builder.store(wv, slot, align=32)
+    p = builder.bitcast(slot, _I32.as_pointer())
+    _escape(builder, p)
+
+    class Splats:
+        """splats[j]: the broadcast load, emitted where it is used."""
+        def __getitem__(self, j):
+            e = builder.load(builder.gep(p, [_I32(j)]), align=4)
+            sv = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), e, _I32(0)),
+                                        ir.Constant(v8, ir.Undefined), ir.Constant(v8, [0] * 8))
+            return builder.bitcast(sv, ir.VectorType(_I16, 16))
+
+    return Splats()
+
+
 @intrinsic
 def _dot_iq3_s_avx2(typingctx, w, o, grid, x, xo):
     """One IQ3_S block at w[o:] (d | qs[64] | qh[8] | signs[32] | scales[4])
@@ -351,22 +383,43 @@ def _dot_iq3_s_avx2(typingctx, w, o, grid, x, xo):
             return builder.zext(builder.load(builder.gep(base, [_I64(off)])), _I32)
 
         signs = _ld(builder, base, 74, 32)
+        # the 64 9-bit grid indices (qs[k] | bit k % 8 of qh[k // 8] << 8) computed in vector lanes, 16 at a
+        # time, and stored to a stack buffer that the scalar look-ups read back (as ggml does): a load each
+        # instead of a byte load and three bit operations
+        v16, v16b = ir.VectorType(_I16, 16), ir.VectorType(_I8, 16)
+        buf = cgutils.alloca_once(builder, ir.ArrayType(_I16, 64))
+        bp = builder.bitcast(buf, _I16.as_pointer())
+        for g in range(4):
+            q = builder.zext(_ld(builder, base, 2 + 16 * g, 16), v16)
+            qh2 = _ld(builder, base, 66 + 2 * g, 2)
+            qh = builder.zext(builder.shuffle_vector(qh2, ir.Constant(qh2.type, ir.Undefined),
+                                                     ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8)), v16)
+            hb = builder.shl(builder.and_(builder.lshr(qh, ir.Constant(v16, list(range(8)) * 2)),
+                                          ir.Constant(v16, [1] * 16)), ir.Constant(v16, [8] * 16))
+            builder.store(builder.or_(q, hb), builder.bitcast(builder.gep(bp, [_I32(16 * g)]), v16.as_pointer()),
+                          align=2)
+        _escape(builder, bp)    # the loads below read the buffer (not 64 lane extracts)
+        # the scales 1 + 2 * nibble j of the 4 bytes at 106
+        s4 = _ld(builder, base, 106, 4)
+        s8 = builder.zext(builder.shuffle_vector(s4, ir.Constant(s4.type, ir.Undefined),
+                                                 ir.Constant(v32i, [0, 0, 1, 1, 2, 2, 3, 3])), v32i)
+        s8 = builder.and_(builder.lshr(s8, ir.Constant(v32i, [0, 4] * 4)), ir.Constant(v32i, [15] * 8))
+        splats = _scale_splats(builder, builder.or_(builder.shl(s8, ir.Constant(v32i, [1] * 8)),
+                                                    ir.Constant(v32i, [1] * 8)))
+        v16 = ir.VectorType(_I16, 16)
+        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", v32i, [v16, v16])
+        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
         acc = ir.Constant(v32i, [0] * 8)
         for j in range(8):
-            qh = byte(66 + j)
             vals = ir.Constant(ir.VectorType(_I32, 8), ir.Undefined)
-            for l in range(4):
-                i1 = builder.or_(byte(2 + 8 * j + 2 * l), builder.and_(builder.shl(qh, _I32(8 - 2 * l)), _I32(256)))
-                i2 = builder.or_(byte(3 + 8 * j + 2 * l), builder.and_(builder.shl(qh, _I32(7 - 2 * l)), _I32(256)))
-                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [i1])), _I32(2 * l))
-                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [i2])), _I32(2 * l + 1))
+            for k in range(8):
+                ix = builder.zext(builder.load(builder.gep(bp, [_I32(8 * j + k)]), align=2), _I32)
+                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [ix])), _I32(k))
             u = builder.bitcast(vals, v8)
             # the 32 sign bits of the sub-block: byte 4 j + l's 8 bits for values 8 l .. 8 l + 7
             xv = _vload(context, builder, sig.args[3], args[3], builder.add(args[4], _I64(32 * j)), 32)
             sx = _psign_bytes(builder, signs, j, xv)
-            sc = builder.add(builder.shl(builder.and_(builder.lshr(byte(106 + j // 2), _I32(4 * (j & 1))), _I32(15)),
-                                         _I32(1)), _I32(1))
-            acc = builder.add(acc, _madd(builder, u, sx, builder.trunc(sc, _I16)))
+            acc = builder.add(acc, builder.call(mw, [builder.call(mub, [u, sx]), splats[j]]))
         return _reduce(builder, acc)
 
     return types.int64(w, types.int64, grid, x, types.int64), codegen
@@ -414,15 +467,14 @@ def _dot_iq4_xs_avx2r(typingctx, w, o, x, xo):
                                      ir.Constant(v8h, ir.Undefined), ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
         hi = builder.and_(builder.lshr(shv, ir.Constant(v8h, [2 * j for j in range(8)])), ir.Constant(v8h, [3] * 8))
         sc8 = builder.sub(builder.or_(lo, builder.shl(hi, ir.Constant(v8h, [4] * 8))), ir.Constant(v8h, [32] * 8))
-        sc = builder.shuffle_vector(sc8, ir.Constant(v8h, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16),
-                                                                                    list(range(8)) * 2))
+        splats = _scale_splats(builder, builder.sext(sc8, ir.VectorType(_I32, 8)))
         acc = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
         mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [v16, v16])
         for j in range(8):
             u, s = _signed(builder, _iq4_values(builder, _ld(builder, wb, 8 + 16 * j, 16), table),
                            _ld(builder, xb, 32 * j, 32))
             p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [ir.VectorType(_I8, 32)] * 2), [u, s])
-            acc = builder.add(acc, builder.call(mw, [p16, _splat16(builder, sc, [j] * 16)]))
+            acc = builder.add(acc, builder.call(mw, [p16, splats[j]]))
         return _reduce(builder, acc)
 
     return types.int64(w, types.int64, x, types.int64), codegen
@@ -606,6 +658,9 @@ def _blk_k4(hbits: bool):
             sm = _scales_mins_k4(builder, wb)
             qo = 48 if hbits else 16
             qh = _ld(builder, wb, 16, 32) if hbits else None
+            v8i = ir.VectorType(_I32, 8)
+            splats = _scale_splats(builder, builder.zext(builder.shuffle_vector(
+                sm, ir.Constant(v16, ir.Undefined), ir.Constant(v8i, list(range(8)))), v8i))
             acc = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
             for c in range(4):
                 q = _ld(builder, wb, qo + 32 * c, 32)
@@ -617,7 +672,7 @@ def _blk_k4(hbits: bool):
                         n = builder.or_(n, builder.shl(builder.and_(hb, ir.Constant(v8, [1] * 32)),
                                                        ir.Constant(v8, [4] * 32)))
                     p16 = builder.call(mub, [n, _ld(builder, xb, 64 * c + 32 * h, 32)])
-                    acc = builder.add(acc, builder.call(mw, [p16, _splat16(builder, sm, [j] * 16)]))
+                    acc = builder.add(acc, builder.call(mw, [p16, splats[j]]))
             s = builder.call(_fn(builder, "llvm.vector.reduce.add.v8i32", _I32, [acc.type]), [acc])
             # M = sum over the 8 32-value groups of min_j * xs[j]
             v8i = ir.VectorType(_I32, 8)
@@ -749,8 +804,8 @@ def _dot_iq3_xxs_avx2(typingctx, w, o, grid, x, xo):
             words = builder.or_(words, builder.shl(_parity7(builder, s, 32), ir.Constant(v32i, [8 * l] * 8)))
         words = builder.bitcast(words, v8)
         # scales 1 + 2 * (aux >> 28), as i16 pairs: lane 2 j holds sub-block j's
-        sc = builder.bitcast(builder.or_(builder.shl(builder.lshr(aux, ir.Constant(v32i, [28] * 8)),
-                                                     ir.Constant(v32i, [1] * 8)), ir.Constant(v32i, [1] * 8)), v16)
+        splats = _scale_splats(builder, builder.or_(builder.shl(builder.lshr(aux, ir.Constant(v32i, [28] * 8)),
+                                                                ir.Constant(v32i, [1] * 8)), ir.Constant(v32i, [1] * 8)))
 
         def byte(off):
             return builder.zext(builder.load(builder.gep(base, [_I64(off)])), _I32)
@@ -762,7 +817,7 @@ def _dot_iq3_xxs_avx2(typingctx, w, o, grid, x, xo):
                 vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [byte(2 + 8 * j + i)])), _I32(i))
             sx = _psign_bytes(builder, words, j, _ld(builder, xb, 32 * j, 32))
             p16 = builder.call(mub, [builder.bitcast(vals, v8), sx])
-            acc = builder.add(acc, builder.call(mw, [p16, _splat16(builder, sc, [2 * j] * 16)]))
+            acc = builder.add(acc, builder.call(mw, [p16, splats[j]]))
         return _reduce(builder, acc)
 
     return types.int64(w, types.int64, grid, x, types.int64), codegen
