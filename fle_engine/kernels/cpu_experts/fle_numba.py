@@ -33,6 +33,7 @@ from fle_quant.quants.tables import IQ2S_GRID, IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRI
 from .acts import quantize_row
 from .simd import (AVX2, blk_q4_k, blk_q5_k, dot8_scaled, dot32_s8, dot_halves, dot_iq2_xs, dot_iq3_s, dot_iq3_xxs,
                    dot_iq4, dot_iq4_xs, dot_iq4_xs_r, dot_q4_k, dot_q6_k, q8_0_x8)
+from .simd import borrow
 from .simd import f16_at as fp16_at
 from .plan import plan, silu_mul_row, weighted_sum
 
@@ -425,8 +426,12 @@ def _matvec(code, rows, nb, xq, xd, xs, out):
     chunk = 16      # rows per work item
     for c in prange((n_rows + chunk - 1) // chunk):
         w64, w8, sc, mn, acc, _ = _scratch_of(nt)
+        # borrowed views (.simd.borrow): the scratch stays alive through acc, used in the loop; rows, xq, xd,
+        # xs and arow are arguments of this parallel body
+        bf, bq, bd, bs, ba = borrow(flat), borrow(xq), borrow(xd), borrow(xs), borrow(arow)
+        b64, b8, bsc, bmn, bacc = borrow(w64), borrow(w8), borrow(sc), borrow(mn), borrow(acc)
         for r in range(c * chunk, min(n_rows, (c + 1) * chunk)):
-            _row_at(code, flat, r * rb, nb, xq, xd, xs, arow, nt, acc, w64, w8, sc, mn)
+            _row_at(code, bf, r * rb, nb, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
             for k in range(nt):
                 out[k, r] = acc[k]
 
@@ -485,11 +490,15 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
         w64, w8, sc, mn, acc, arow = _scratch_of(nt)
         for k in range(nt):
             arow[k] = ptok[upairs[p0 + k]]
+        # borrowed views (.simd.borrow): the scratch stays alive through acc, used in the loop; the others are
+        # arguments of this parallel body
+        bf, bq, bd, bs, ba = borrow(flat), borrow(xq), borrow(xd), borrow(xs), borrow(arow)
+        b64, b8, bsc, bmn, bacc = borrow(w64), borrow(w8), borrow(sc), borrow(mn), borrow(acc)
         for r in range(c * chunk, min(n_ff, (c + 1) * chunk)):
-            _row_at(gu_code, flat, e * eb + r * gu_rb, nbg, xq, xd, xs, arow, nt, acc, w64, w8, sc, mn)
+            _row_at(gu_code, bf, e * eb + r * gu_rb, nbg, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
             for k in range(nt):
                 g[upairs[p0 + k], r] = acc[k]
-            _row_at(gu_code, flat, e * eb + (n_ff + r) * gu_rb, nbg, xq, xd, xs, arow, nt, acc, w64, w8, sc, mn)
+            _row_at(gu_code, bf, e * eb + (n_ff + r) * gu_rb, nbg, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
             for k in range(nt):
                 up[upairs[p0 + k], r] = acc[k]
     # silu(gate) * up, quantized once per pair
@@ -514,9 +523,10 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
         w64, w8, sc, mn, acc, arow = _scratch_of(nt)
         for k in range(nt):
             arow[k] = upairs[p0 + k]
+        bf, bq, bd, bs, ba = borrow(flat), borrow(hq), borrow(hd), borrow(hs), borrow(arow)
+        b64, b8, bsc, bmn, bacc = borrow(w64), borrow(w8), borrow(sc), borrow(mn), borrow(acc)
         for r in range(c * chunk, min(n_embd, (c + 1) * chunk)):
-            _row_at(down_code, flat, e * eb + down_off + r * down_rb, nbd, hq, hd, hs, arow, nt, acc, w64, w8, sc,
-                    mn)
+            _row_at(down_code, bf, e * eb + down_off + r * down_rb, nbd, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
             for k in range(nt):
                 y[arow[k], r] = acc[k]
     for t in range(n_t):

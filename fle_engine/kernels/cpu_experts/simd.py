@@ -891,3 +891,30 @@ if _host_feature("f16c"):
     f16_at = _f16_at_f16c
 else:
     from fle_quant.quants.blocks_common import fp16_at as f16_at  # noqa: E402
+
+
+# ---------------------------------------------------------------------------
+# borrowed arrays: no reference counting in the loops over rows
+
+
+@intrinsic
+def borrow(typingctx, a):
+    """``a`` with a null meminfo: the same data, shape and strides, but
+    numba's reference counting skips it (NRT_incref / NRT_decref return at
+    once on null, with no atomic operation). For arrays that outlive the
+    loop they are used in (the caller holds them): every array that an
+    inlined per-row function takes is otherwise counted up and down once per
+    row, each time a locked instruction that serialises the row's memory
+    operations."""
+    if not isinstance(a, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src = context.make_array(sig.args[0])(context, builder, args[0])
+        dst = context.make_array(sig.return_type)(context, builder)
+        for name in ("parent", "nitems", "itemsize", "data", "shape", "strides"):
+            setattr(dst, name, getattr(src, name))
+        dst.meminfo = ir.Constant(src.meminfo.type, None)
+        return dst._getvalue()
+
+    return a(a), codegen
