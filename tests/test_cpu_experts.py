@@ -112,6 +112,22 @@ def test_matvec_numba_equals_reference(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matvec_row_lengths(qtype):
+    # rows of one block, of an odd number of blocks (the down rows of a 768-wide FFN hold 3 of 256) and, for
+    # the 32-value types, of a block count that is not a multiple of 8 (Q8_0's groups of 8 blocks and their
+    # remainder); 13 rows (not a multiple of the 16-row work items), 1, 2 and 5 tokens
+    values = BLOCK_GEOMETRY[qtype][0]
+    lengths = (256, 768) if values == 256 else (64, 576, 768)
+    rng = np.random.default_rng(200 + int(qtype))
+    for n in lengths:
+        w = quantized(qtype, (13, n), rng)
+        for t in (1, 2, 5):
+            a = quantize_acts(rng.standard_normal((t, n)).astype(np.float32), DOT_TYPE[qtype])
+            np.testing.assert_array_equal(fle_numba.matvec(w, qtype, a), reference.matvec_ref(w, qtype, a),
+                                          err_msg=f"{qtype.name} n={n} T={t}")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_matvec_catches_a_wrong_block(qtype):
     # the comparison can fail: one flipped code bit in one block changes the product
     rng = np.random.default_rng(50 + int(qtype))
@@ -304,9 +320,11 @@ assert not simd.AVX2
 rng = np.random.default_rng(5)
 for name in ("IQ4_XS", "Q4_K", "Q8_0", "IQ3_S", "Q6_K", "IQ4_NL", "Q5_K"):
     qt = GGMLType[name]
-    rows = quantized(qt, (24, 512), rng)
-    acts = quantize_acts(rng.standard_normal((2, 512)).astype(np.float32), DOT_TYPE[qt])
-    np.testing.assert_array_equal(fle_numba.matvec(rows, qt, acts), reference.matvec_ref(rows, qt, acts), err_msg=name)
+    for n, t in ((512, 2), (768, 1)):
+        rows = quantized(qt, (24, n), rng)
+        acts = quantize_acts(rng.standard_normal((t, n)).astype(np.float32), DOT_TYPE[qt])
+        np.testing.assert_array_equal(fle_numba.matvec(rows, qt, acts), reference.matvec_ref(rows, qt, acts),
+                                      err_msg=f"{name} n={n} T={t}")
 print("ok")
 """
 

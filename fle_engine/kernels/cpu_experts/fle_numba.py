@@ -28,12 +28,12 @@ from numba import njit, prange
 
 from fle_quant.ggml_types import GGMLType
 from fle_quant.quants.blocks_common import u16, u32
-from fle_quant.quants.blocks_k import _scale_min_k4
 from fle_quant.quants.tables import IQ2S_GRID, IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS
 
 from .acts import quantize_row
-from .simd import (AVX2, dot8_scaled, dot32_s8, dot_halves, dot_iq2_xs, dot_iq3_s, dot_iq3_xxs, dot_iq4, dot_iq4_xs,
-                   dot_q4_k)
+from .simd import (AVX2, blk_q4_k, blk_q5_k, dot8_scaled, dot32_s8, dot_halves, dot_iq2_xs, dot_iq3_s, dot_iq3_xxs,
+                   dot_iq4, dot_iq4_xs, dot_iq4_xs_r, dot_q4_k, dot_q6_k, q8_0_x8)
+from .simd import borrow
 from .simd import f16_at as fp16_at
 from .plan import plan, silu_mul_row, weighted_sum
 
@@ -64,7 +64,6 @@ _G2S = _pack(IQ2S_GRID, np.uint64)  # 1024 x 8
 # sign byte -> 8 byte masks (0xFF where the bit is set)
 _SMASK = np.array([sum(0xFF << (8 * k) for k in range(8) if (s >> k) & 1) for s in range(256)], np.uint64)
 _KSIGNS = KSIGNS.astype(np.int64)
-_KSIGNS8 = KSIGNS.astype(np.uint8)
 _ONES = np.uint64(0x0101010101010101)
 
 
@@ -150,13 +149,8 @@ def _scales_q4_k(b, o, sc, mn):
 
 @njit(cache=True, inline="always")
 def _dec_q5_k(b, o, w8, sc, mn):
+    _scales_q4_k(b, o, sc, mn)      # the same 6-bit packing
     for c in range(4):
-        s1, m1 = _scale_min_k4(2 * c, b[o:o + 16])
-        s2, m2 = _scale_min_k4(2 * c + 1, b[o:o + 16])
-        sc[2 * c] = np.int32(s1)
-        sc[2 * c + 1] = np.int32(s2)
-        mn[2 * c] = np.int32(m1)
-        mn[2 * c + 1] = np.int32(m2)
         for l in range(32):
             q = b[o + 48 + 32 * c + l]
             h = b[o + 16 + l] >> np.uint8(2 * c)
@@ -203,25 +197,85 @@ def _decode_block(code, w, o, w64, w8, sc, mn):
         _dec_q6_k(w, o, w8, sc)
 
 
+@njit(cache=True)
+def _blocks_iq3_s(w, base, nb, xq, xd, r):
+    xo = r * xq.shape[1]
+    a = _F32(0.0)
+    for bi in range(nb):
+        o = base + 110 * bi
+        a = a + (fp16_at(w, o) * xd[r, bi]) * _F32(dot_iq3_s(w, o, _G3S, xq, xo + 256 * bi))
+    return a
+
+
+@njit(cache=True)
+def _blocks_iq3_xxs(w, base, nb, xq, xd, r):
+    xo = r * xq.shape[1]
+    a = _F32(0.0)
+    for bi in range(nb):
+        o = base + 98 * bi
+        a = a + (fp16_at(w, o) * xd[r, bi]) * (_F32(dot_iq3_xxs(w, o, _G3XXS, xq, xo + 256 * bi)) * _F32(0.25))
+    return a
+
+
+@njit(cache=True)
+def _blocks_iq2_xs(w, base, nb, xq, xd, r):
+    xo = r * xq.shape[1]
+    a = _F32(0.0)
+    for bi in range(nb):
+        o = base + 74 * bi
+        a = a + (fp16_at(w, o) * xd[r, bi]) * (_F32(dot_iq2_xs(w, o, _G2XS, xq, xo + 256 * bi)) * _F32(0.125))
+    return a
+
+
 @njit(cache=True, inline="always")
-def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
-    """acc[k] = the row ``w`` (uint8, nb blocks) times activation row arow[k]."""
-    w8 = w64.view(np.int8)
+def _row_at(code, w, base, nb, xq, xd, xs, arow, nt, acc, w64, w8, sc, mn):
+    """acc[k] = the row at byte ``base`` of ``w`` (uint8, nb blocks) times
+    activation row arow[k]. The activations are indexed in place (xq, xd, xs
+    2-D, offsets into their data) and ``w8`` is w64's bytes: no array view is
+    made per row, so no reference count is touched in the loop over rows."""
     frac = _FRACTION[code]
+    nx = xq.shape[1]
+    if AVX2 and (code == _Q8_0 or code == _Q4_K or code == _Q5_K or code == _Q6_K):
+        # blocks read in vector registers, no scratch: token by token (the row stays in L1), each block's
+        # float step in the reference's order onto a register accumulator
+        for k in range(nt):
+            r = arow[k]
+            xo = r * nx
+            a = _F32(0.0)
+            if code == _Q8_0:
+                bi = 0
+                while bi + 8 <= nb:
+                    a = q8_0_x8(w, base + 34 * bi, xq, xo + 32 * bi, xd, r * xd.shape[1] + bi, a)
+                    bi += 8
+                for b in range(bi, nb):
+                    o = base + 34 * b
+                    a = a + (fp16_at(w, o) * xd[r, b]) * _F32(dot32_s8(w, o + 2, xq, xo + 32 * b))
+            elif code == _Q4_K:
+                for bi in range(nb):
+                    a = a + blk_q4_k(w, base + 144 * bi, xq, xo + 256 * bi, xs, r * xs.shape[1] + 8 * bi, xd[r, bi])
+            elif code == _Q5_K:
+                for bi in range(nb):
+                    a = a + blk_q5_k(w, base + 176 * bi, xq, xo + 256 * bi, xs, r * xs.shape[1] + 8 * bi, xd[r, bi])
+            else:
+                for bi in range(nb):
+                    o = base + 210 * bi
+                    a = a + (fp16_at(w, o + 208) * xd[r, bi]) * _F32(dot_q6_k(w, o, xq, xo + 256 * bi))
+            acc[k] = a
+        return
     for k in range(nt):
         acc[k] = _F32(0.0)
     if code == _Q8_0 or code == _IQ4_NL or code == _Q2_0:
         for bi in range(nb):
             if code == _Q8_0:
-                o = 34 * bi
+                o = base + 34 * bi
                 dw = fp16_at(w, o)
                 nh = 1
             elif code == _IQ4_NL:
-                o = 18 * bi
+                o = base + 18 * bi
                 dw = fp16_at(w, o)
                 nh = 1
             else:
-                o = 18 * bi
+                o = base + 18 * bi
                 dw = fp16_at(w, o)
                 for l in range(16):
                     q = w[o + 2 + l]
@@ -234,11 +288,11 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
                 for hh in range(nh):
                     ab = nh * bi + hh
                     if code == _IQ4_NL:
-                        s = dot_iq4(w, o + 2, xq[r], 32 * ab)
+                        s = dot_iq4(w, o + 2, xq, r * nx + 32 * ab)
                     elif code == _Q8_0:
-                        s = dot32_s8(w, o + 2, xq[r], 32 * ab)      # the codes read in place as int8
+                        s = dot32_s8(w, o + 2, xq, r * nx + 32 * ab)      # the codes read in place as int8
                     else:
-                        s = dot32_s8(w8, 32 * hh, xq[r], 32 * ab)
+                        s = dot32_s8(w8, 32 * hh, xq, r * nx + 32 * ab)
                     a = a + (dw * xd[r, ab]) * (_F32(s) * frac)
                 acc[k] = a
         return
@@ -247,88 +301,74 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
         # out of the block loop keeps each loop small enough for LLVM to optimise (2x on this loop; one
         # shared loop with the dispatch inside measured 0.57 of ggml against 0.82 for IQ4_XS)
         r = arow[0]
-        xr = xq[r]
-        xdr = xd[r]
+        xo = r * nx
         a = acc[0]
-        for bi in range(nb):
-            o = 136 * bi
-            _scales_iq4_xs(w, o, sc)
-            s = dot_iq4_xs(w, o, sc, xr, 256 * bi)
-            a = a + (fp16_at(w, o) * xdr[bi]) * (_F32(s) * frac)
+        if AVX2:
+            for bi in range(nb):
+                o = base + 136 * bi
+                s = dot_iq4_xs_r(w, o, xq, xo + 256 * bi)      # the scales unpacked in vector lanes
+                a = a + (fp16_at(w, o) * xd[r, bi]) * (_F32(s) * frac)
+        else:
+            for bi in range(nb):
+                o = base + 136 * bi
+                _scales_iq4_xs(w, o, sc)
+                s = dot_iq4_xs(w, o, sc, xq, xo + 256 * bi)
+                a = a + (fp16_at(w, o) * xd[r, bi]) * (_F32(s) * frac)
         acc[0] = a
         return
     if code == _Q4_K and nt == 1:
         r = arow[0]
-        xr = xq[r]
-        xdr = xd[r]
-        xsr = xs[r]
+        xo = r * nx
         a = acc[0]
         for bi in range(nb):
-            o = 144 * bi
+            o = base + 144 * bi
             _scales_q4_k(w, o, sc, mn)
-            s = dot_q4_k(w, o, sc, xr, 256 * bi)
-            v = (fp16_at(w, o) * xdr[bi]) * (_F32(s) * frac)
+            s = dot_q4_k(w, o, sc, xq, xo + 256 * bi)
+            v = (fp16_at(w, o) * xd[r, bi]) * (_F32(s) * frac)
             m = np.int32(0)
             for j in range(8):
-                m += mn[j] * xsr[8 * bi + j]
-            a = a + (v - (fp16_at(w, o + 2) * xdr[bi]) * _F32(m))
+                m += mn[j] * xs[r, 8 * bi + j]
+            a = a + (v - (fp16_at(w, o + 2) * xd[r, bi]) * _F32(m))
         acc[0] = a
         return
     size = _BLOCK_BYTES[code]
     if AVX2:
+        # the grid types, decoded in vector registers by the block sums themselves: one function per type
+        # (compiled on its own, not inlined): inside the one large function that holds every type's loop
+        # LLVM compiled these loops to 0.7 of their speed alone
         if nt == 1 and code == _IQ3_S:
-            # decoded in vector registers by the block sum itself
-            r = arow[0]
-            xr = xq[r]
-            xdr = xd[r]
-            a = acc[0]
-            for bi in range(nb):
-                o = 110 * bi
-                s = dot_iq3_s(w, o, _G3S, xr, 256 * bi)
-                a = a + (fp16_at(w, o) * xdr[bi]) * (_F32(s) * frac)
-            acc[0] = a
+            acc[0] = _blocks_iq3_s(w, base, nb, xq, xd, arow[0])
             return
-        if nt == 1 and (code == _IQ3_XXS or code == _IQ2_XS):
-            r = arow[0]
-            xr = xq[r]
-            xdr = xd[r]
-            a = acc[0]
-            for bi in range(nb):
-                if code == _IQ3_XXS:
-                    o = 98 * bi
-                    s = dot_iq3_xxs(w, o, _G3XXS, _KSIGNS8, xr, 256 * bi)
-                else:
-                    o = 74 * bi
-                    s = dot_iq2_xs(w, o, _G2XS, _KSIGNS8, xr, 256 * bi)
-                a = a + (fp16_at(w, o) * xdr[bi]) * (_F32(s) * frac)
-            acc[0] = a
+        if nt == 1 and code == _IQ3_XXS:
+            acc[0] = _blocks_iq3_xxs(w, base, nb, xq, xd, arow[0])
+            return
+        if nt == 1 and code == _IQ2_XS:
+            acc[0] = _blocks_iq2_xs(w, base, nb, xq, xd, arow[0])
             return
     if nt == 1 and not (code == _IQ4_XS or code == _Q4_K):
         # the decoded types with one token: the activation row and the accumulator hoisted out of the loop
         r = arow[0]
-        xr = xq[r]
-        xdr = xd[r]
-        xsr = xs[r]
+        xo = r * nx
         a = acc[0]
         for bi in range(nb):
-            o = size * bi
+            o = base + size * bi
             _decode_block(code, w, o, w64, w8, sc, mn)
             if code == _IQ2_XS or code == _IQ2_S or code == _Q6_K:
-                s = _dot_halves(w8, sc, xr, 256 * bi)
+                s = _dot_halves(w8, sc, xq, xo + 256 * bi)
             else:
-                s = _dot8(w8, sc, xr, 256 * bi)
+                s = _dot8(w8, sc, xq, xo + 256 * bi)
             dw = fp16_at(w, o + 208) if code == _Q6_K else fp16_at(w, o)
-            v = (dw * xdr[bi]) * (_F32(s) * frac)
+            v = (dw * xd[r, bi]) * (_F32(s) * frac)
             if code == _Q5_K:
                 m = np.int32(0)
                 for j in range(8):
-                    m += mn[j] * xsr[8 * bi + j]
-                v = v - (fp16_at(w, o + 2) * xdr[bi]) * _F32(m)
+                    m += mn[j] * xs[r, 8 * bi + j]
+                v = v - (fp16_at(w, o + 2) * xd[r, bi]) * _F32(m)
             a = a + v
         acc[0] = a
         return
     for bi in range(nb):
-        o = size * bi
+        o = base + size * bi
         _decode_block(code, w, o, w64, w8, sc, mn)
         if code == _Q6_K:
             dw = fp16_at(w, o + 208)
@@ -336,15 +376,15 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
             dw = fp16_at(w, o)
         for k in range(nt):
             r = arow[k]
-            xo = 256 * bi
+            xo = r * nx + 256 * bi
             if code == _IQ2_XS or code == _IQ2_S or code == _Q6_K:
-                s = _dot_halves(w8, sc, xq[r], xo)
+                s = _dot_halves(w8, sc, xq, xo)
             elif code == _IQ4_XS:
-                s = dot_iq4_xs(w, o, sc, xq[r], xo)
+                s = dot_iq4_xs(w, o, sc, xq, xo)
             elif code == _Q4_K:
-                s = dot_q4_k(w, o, sc, xq[r], xo)
+                s = dot_q4_k(w, o, sc, xq, xo)
             else:
-                s = _dot8(w8, sc, xq[r], xo)
+                s = _dot8(w8, sc, xq, xo)
             dd = dw * xd[r, bi]
             v = dd * (_F32(s) * frac)
             if code == _Q4_K or code == _Q5_K:
@@ -356,21 +396,42 @@ def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
 
 
 @njit(cache=True, inline="always")
+def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
+    """acc[k] = the row ``w`` (uint8, nb blocks) times activation row arow[k]."""
+    _row_at(code, w, 0, nb, xq, xd, xs, arow, nt, acc, w64, w64.view(np.int8), sc, mn)
+
+
+@njit(cache=True, inline="always")
 def _scratch():
     return np.empty(32, np.uint64), np.empty(16, np.int32), np.empty(8, np.int32)
+
+
+@njit(cache=True, inline="always")
+def _scratch_of(nt):
+    """One work item's scratch in one allocation: the decoded block (as
+    uint64 and as int8), scales, mins, nt accumulators and nt row indices."""
+    raw = np.empty(352 + 12 * max(nt, 1), np.uint8)
+    w64 = raw[:256].view(np.uint64)
+    return (w64, raw[:256].view(np.int8), raw[256:320].view(np.int32), raw[320:352].view(np.int32),
+            raw[352 + 8 * nt:352 + 12 * nt].view(np.float32), raw[352:352 + 8 * nt].view(np.int64))
 
 
 @njit(cache=True, parallel=True)
 def _matvec(code, rows, nb, xq, xd, xs, out):
     n_rows = rows.shape[0]
+    rb = rows.shape[1]
+    flat = rows.reshape(rows.size)
     nt = xq.shape[0]
     arow = np.arange(nt)
-    chunk = 16      # rows per work item: the scratch is allocated once per chunk, not per row
+    chunk = 16      # rows per work item
     for c in prange((n_rows + chunk - 1) // chunk):
-        w64, sc, mn = _scratch()
-        acc = np.empty(nt, np.float32)
+        w64, w8, sc, mn, acc, _ = _scratch_of(nt)
+        # borrowed views (.simd.borrow): the scratch stays alive through acc, used in the loop; rows, xq, xd,
+        # xs and arow are arguments of this parallel body
+        bf, bq, bd, bs, ba = borrow(flat), borrow(xq), borrow(xd), borrow(xs), borrow(arow)
+        b64, b8, bsc, bmn, bacc = borrow(w64), borrow(w8), borrow(sc), borrow(mn), borrow(acc)
         for r in range(c * chunk, min(n_rows, (c + 1) * chunk)):
-            _row(code, rows[r], nb, xq, xd, xs, arow, nt, acc, w64, sc, mn)
+            _row_at(code, bf, r * rb, nb, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
             for k in range(nt):
                 out[k, r] = acc[k]
 
@@ -418,23 +479,26 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
     up = np.empty((n_p, n_ff), np.float32)
     nbg = gu_rb // _BLOCK_BYTES[gu_code]
     nch = (n_ff + chunk - 1) // chunk
+    flat = buf.reshape(buf.size)      # rows addressed by byte offset: no view per row
+    eb = buf.shape[1]
     for it in prange(n_u * nch):
         ui = it // nch
         c = it - ui * nch
         e = uexp[ui]
         p0 = ustart[ui]
         nt = ustart[ui + 1] - p0
-        arow = np.empty(nt, np.int64)
+        w64, w8, sc, mn, acc, arow = _scratch_of(nt)
         for k in range(nt):
             arow[k] = ptok[upairs[p0 + k]]
-        acc = np.empty(nt, np.float32)
-        w64, sc, mn = _scratch()
+        # borrowed views (.simd.borrow): the scratch stays alive through acc, used in the loop; the others are
+        # arguments of this parallel body
+        bf, bq, bd, bs, ba = borrow(flat), borrow(xq), borrow(xd), borrow(xs), borrow(arow)
+        b64, b8, bsc, bmn, bacc = borrow(w64), borrow(w8), borrow(sc), borrow(mn), borrow(acc)
         for r in range(c * chunk, min(n_ff, (c + 1) * chunk)):
-            _row(gu_code, buf[e, r * gu_rb:(r + 1) * gu_rb], nbg, xq, xd, xs, arow, nt, acc, w64, sc, mn)
+            _row_at(gu_code, bf, e * eb + r * gu_rb, nbg, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
             for k in range(nt):
                 g[upairs[p0 + k], r] = acc[k]
-            o = (n_ff + r) * gu_rb
-            _row(gu_code, buf[e, o:o + gu_rb], nbg, xq, xd, xs, arow, nt, acc, w64, sc, mn)
+            _row_at(gu_code, bf, e * eb + (n_ff + r) * gu_rb, nbg, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
             for k in range(nt):
                 up[upairs[p0 + k], r] = acc[k]
     # silu(gate) * up, quantized once per pair
@@ -456,12 +520,13 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
         e = uexp[ui]
         p0 = ustart[ui]
         nt = ustart[ui + 1] - p0
-        arow = upairs[p0:p0 + nt]
-        acc = np.empty(nt, np.float32)
-        w64, sc, mn = _scratch()
+        w64, w8, sc, mn, acc, arow = _scratch_of(nt)
+        for k in range(nt):
+            arow[k] = upairs[p0 + k]
+        bf, bq, bd, bs, ba = borrow(flat), borrow(hq), borrow(hd), borrow(hs), borrow(arow)
+        b64, b8, bsc, bmn, bacc = borrow(w64), borrow(w8), borrow(sc), borrow(mn), borrow(acc)
         for r in range(c * chunk, min(n_embd, (c + 1) * chunk)):
-            o = down_off + r * down_rb
-            _row(down_code, buf[e, o:o + down_rb], nbd, hq, hd, hs, arow, nt, acc, w64, sc, mn)
+            _row_at(down_code, bf, e * eb + down_off + r * down_rb, nbd, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
             for k in range(nt):
                 y[arow[k], r] = acc[k]
     for t in range(n_t):

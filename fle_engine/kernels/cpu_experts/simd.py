@@ -33,7 +33,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["dot32_s8", "dot16_s8", "dot32_lo4", "dot32_hi4", "dot_iq4", "dot8_scaled", "dot_halves", "dot_iq4_xs",
-           "dot_q4_k", "dot_iq3_s", "dot_iq3_xxs", "dot_iq2_xs", "AVX2", "f16_at"]
+           "dot_q4_k", "dot_iq3_s", "dot_iq3_xxs", "dot_iq2_xs", "q8_0_x8", "dot_q6_k", "blk_q4_k", "blk_q5_k",
+           "dot_iq4_xs_r", "AVX2", "f16_at"]
 
 
 def _make(n: int, kind: str):
@@ -330,6 +331,38 @@ def _dot_halves_portable(w8, sc, x, xo):
     return s
 
 
+def _escape(builder, ptr):
+    """An empty asm statement that takes ``ptr`` and clobbers memory: what
+    was stored through it must be in memory and is read back from there
+    (LLVM would otherwise forward the stored vector as lane extracts)."""
+    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "", "r,~{memory}", side_effect=True)
+    builder.call(asm, [ptr])
+
+
+def _scale_splats(builder, v):
+    """<8 x i32> of eight sub-block scales (each fits int16) -> eight <16 x
+    i16> vectors, the j-th holding scale j in every lane: pmaddwd's
+    multipliers. The scales go through a stack slot as pairs (s, s) so that
+    each splat is one broadcast load (vpbroadcastd m32: a load, no shuffle
+    port), not a lane shuffle per sub-block."""
+    v8 = v.type
+    wv = builder.or_(builder.and_(v, ir.Constant(v8, [0xFFFF] * 8)), builder.shl(v, ir.Constant(v8, [16] * 8)))
+    slot = cgutils.alloca_once(builder, v8)
+    builder.store(wv, slot, align=32)
+    p = builder.bitcast(slot, _I32.as_pointer())
+    _escape(builder, p)
+
+    class Splats:
+        """splats[j]: the broadcast load, emitted where it is used."""
+        def __getitem__(self, j):
+            e = builder.load(builder.gep(p, [_I32(j)]), align=4)
+            sv = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), e, _I32(0)),
+                                        ir.Constant(v8, ir.Undefined), ir.Constant(v8, [0] * 8))
+            return builder.bitcast(sv, ir.VectorType(_I16, 16))
+
+    return Splats()
+
+
 @intrinsic
 def _dot_iq3_s_avx2(typingctx, w, o, grid, x, xo):
     """One IQ3_S block at w[o:] (d | qs[64] | qh[8] | signs[32] | scales[4])
@@ -349,135 +382,47 @@ def _dot_iq3_s_avx2(typingctx, w, o, grid, x, xo):
         def byte(off):
             return builder.zext(builder.load(builder.gep(base, [_I64(off)])), _I32)
 
-        bits = ir.Constant(v8, [1 << (i % 8) for i in range(32)])
-        zero8 = ir.Constant(v8, [0] * 32)
+        signs = _ld(builder, base, 74, 32)
+        # the 64 9-bit grid indices (qs[k] | bit k % 8 of qh[k // 8] << 8) computed in vector lanes, 16 at a
+        # time, and stored to a stack buffer that the scalar look-ups read back (as ggml does): a load each
+        # instead of a byte load and three bit operations
+        v16, v16b = ir.VectorType(_I16, 16), ir.VectorType(_I8, 16)
+        buf = cgutils.alloca_once(builder, ir.ArrayType(_I16, 64))
+        bp = builder.bitcast(buf, _I16.as_pointer())
+        for g in range(4):
+            q = builder.zext(_ld(builder, base, 2 + 16 * g, 16), v16)
+            qh2 = _ld(builder, base, 66 + 2 * g, 2)
+            qh = builder.zext(builder.shuffle_vector(qh2, ir.Constant(qh2.type, ir.Undefined),
+                                                     ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8)), v16)
+            hb = builder.shl(builder.and_(builder.lshr(qh, ir.Constant(v16, list(range(8)) * 2)),
+                                          ir.Constant(v16, [1] * 16)), ir.Constant(v16, [8] * 16))
+            builder.store(builder.or_(q, hb), builder.bitcast(builder.gep(bp, [_I32(16 * g)]), v16.as_pointer()),
+                          align=2)
+        _escape(builder, bp)    # the loads below read the buffer (not 64 lane extracts)
+        # the scales 1 + 2 * nibble j of the 4 bytes at 106
+        s4 = _ld(builder, base, 106, 4)
+        s8 = builder.zext(builder.shuffle_vector(s4, ir.Constant(s4.type, ir.Undefined),
+                                                 ir.Constant(v32i, [0, 0, 1, 1, 2, 2, 3, 3])), v32i)
+        s8 = builder.and_(builder.lshr(s8, ir.Constant(v32i, [0, 4] * 4)), ir.Constant(v32i, [15] * 8))
+        splats = _scale_splats(builder, builder.or_(builder.shl(s8, ir.Constant(v32i, [1] * 8)),
+                                                    ir.Constant(v32i, [1] * 8)))
+        v16 = ir.VectorType(_I16, 16)
+        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", v32i, [v16, v16])
+        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
         acc = ir.Constant(v32i, [0] * 8)
         for j in range(8):
-            qh = byte(66 + j)
             vals = ir.Constant(ir.VectorType(_I32, 8), ir.Undefined)
-            for l in range(4):
-                i1 = builder.or_(byte(2 + 8 * j + 2 * l), builder.and_(builder.shl(qh, _I32(8 - 2 * l)), _I32(256)))
-                i2 = builder.or_(byte(3 + 8 * j + 2 * l), builder.and_(builder.shl(qh, _I32(7 - 2 * l)), _I32(256)))
-                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [i1])), _I32(2 * l))
-                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [i2])), _I32(2 * l + 1))
+            for k in range(8):
+                ix = builder.zext(builder.load(builder.gep(bp, [_I32(8 * j + k)]), align=2), _I32)
+                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [ix])), _I32(k))
             u = builder.bitcast(vals, v8)
-            # the 32 sign bits of the sub-block: byte l's 8 bits for values 8 l .. 8 l + 7
-            sb = builder.load(builder.bitcast(builder.gep(base, [_I64(74 + 4 * j)]), _I32.as_pointer()), align=1)
-            sv = builder.bitcast(builder.insert_element(ir.Constant(ir.VectorType(_I32, 8), [0] * 8), sb, _I32(0)),
-                                 v8)
-            spread = builder.shuffle_vector(sv, ir.Constant(v8, ir.Undefined),
-                                            ir.Constant(ir.VectorType(_I32, 32), [i // 8 for i in range(32)]))
-            neg = builder.icmp_unsigned("!=", builder.and_(spread, bits), zero8)
+            # the 32 sign bits of the sub-block: byte 4 j + l's 8 bits for values 8 l .. 8 l + 7
             xv = _vload(context, builder, sig.args[3], args[3], builder.add(args[4], _I64(32 * j)), 32)
-            sx = builder.select(neg, builder.sub(zero8, xv), xv)
-            sc = builder.add(builder.shl(builder.and_(builder.lshr(byte(106 + j // 2), _I32(4 * (j & 1))), _I32(15)),
-                                         _I32(1)), _I32(1))
-            acc = builder.add(acc, _madd(builder, u, sx, builder.trunc(sc, _I16)))
+            sx = _psign_bytes(builder, signs, j, xv)
+            acc = builder.add(acc, builder.call(mw, [builder.call(mub, [u, sx]), splats[j]]))
         return _reduce(builder, acc)
 
     return types.int64(w, types.int64, grid, x, types.int64), codegen
-
-
-def _signs_onto(builder, sb, xv):
-    """x with the sign of each of its 32 lanes flipped where bit i % 8 of
-    byte i // 8 of ``sb`` (an i32 of four sign bytes) is set."""
-    v8 = ir.VectorType(_I8, 32)
-    zero8 = ir.Constant(v8, [0] * 32)
-    sv = builder.bitcast(builder.insert_element(ir.Constant(ir.VectorType(_I32, 8), [0] * 8), sb, _I32(0)), v8)
-    spread = builder.shuffle_vector(sv, ir.Constant(v8, ir.Undefined),
-                                    ir.Constant(ir.VectorType(_I32, 32), [i // 8 for i in range(32)]))
-    neg = builder.icmp_unsigned("!=", builder.and_(spread, ir.Constant(v8, [1 << (i % 8) for i in range(32)])), zero8)
-    return builder.select(neg, builder.sub(zero8, xv), xv)
-
-
-def _sign_word(builder, bytes4):
-    """Four i8 values -> one i32 (byte l = the l-th)."""
-    v = ir.Constant(ir.VectorType(_I8, 4), ir.Undefined)
-    for i, b in enumerate(bytes4):
-        v = builder.insert_element(v, b, _I32(i))
-    return builder.bitcast(v, _I32)
-
-
-@intrinsic
-def _dot_iq3_xxs_avx2(typingctx, w, o, grid, ksigns, x, xo):
-    """One IQ3_XXS block at w[o:] (d | qs[64] | 8 x u32 scale and sign
-    indices): sum over sub-blocks of (1 + 2 * (aux >> 28)) * sum of sign *
-    grid value * x. ``grid``: uint32 [256]; ``ksigns``: uint8 [128]."""
-    if not all(isinstance(a, types.Array) for a in (w, grid, ksigns, x)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v32i = ir.VectorType(_I32, 8)
-        base = builder.gep(builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data,
-                                           _I8.as_pointer()), [args[1]])
-        gdata = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data, _I32.as_pointer())
-        kdata = builder.bitcast(context.make_array(sig.args[3])(context, builder, args[3]).data, _I8.as_pointer())
-
-        def byte(off):
-            return builder.zext(builder.load(builder.gep(base, [_I64(off)])), _I32)
-
-        acc = ir.Constant(v32i, [0] * 8)
-        for j in range(8):
-            aux = builder.load(builder.bitcast(builder.gep(base, [_I64(66 + 4 * j)]), _I32.as_pointer()), align=1)
-            vals = ir.Constant(v32i, ir.Undefined)
-            signs = []
-            for l in range(4):
-                for h in range(2):
-                    g = builder.load(builder.gep(gdata, [byte(2 + 8 * j + 2 * l + h)]))
-                    vals = builder.insert_element(vals, g, _I32(2 * l + h))
-                k = builder.and_(builder.lshr(aux, _I32(7 * l)), _I32(127))
-                signs.append(builder.load(builder.gep(kdata, [k])))
-            xv = _vload(context, builder, sig.args[4], args[4], builder.add(args[5], _I64(32 * j)), 32)
-            sx = _signs_onto(builder, _sign_word(builder, signs), xv)
-            sc = builder.add(builder.shl(builder.lshr(aux, _I32(28)), _I32(1)), _I32(1))
-            acc = builder.add(acc, _madd(builder, builder.bitcast(vals, ir.VectorType(_I8, 32)), sx,
-                                         builder.trunc(sc, _I16)))
-        return _reduce(builder, acc)
-
-    return types.int64(w, types.int64, grid, ksigns, x, types.int64), codegen
-
-
-@intrinsic
-def _dot_iq2_xs_avx2(typingctx, w, o, grid, ksigns, x, xo):
-    """One IQ2_XS block at w[o:] (d | 32 x u16: 9-bit grid index, 7-bit
-    sign index | scales[8]): sum over sub-blocks of the two halves' scales
-    (1 + 2 * nibble) times sum of sign * grid value * x. ``grid``: uint64
-    [512] (8 values each); ``ksigns``: uint8 [128]."""
-    if not all(isinstance(a, types.Array) for a in (w, grid, ksigns, x)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v16 = ir.VectorType(_I16, 16)
-        v32i, v4 = ir.VectorType(_I32, 8), ir.VectorType(_I64, 4)
-        base = builder.gep(builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data,
-                                           _I8.as_pointer()), [args[1]])
-        gdata = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data, _I64.as_pointer())
-        kdata = builder.bitcast(context.make_array(sig.args[3])(context, builder, args[3]).data, _I8.as_pointer())
-        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", v32i, [v16, v16])
-        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [ir.VectorType(_I8, 32)] * 2)
-        acc = ir.Constant(v32i, [0] * 8)
-        for j in range(8):
-            vals = ir.Constant(v4, ir.Undefined)
-            signs = []
-            for l in range(4):
-                q = builder.zext(builder.load(builder.bitcast(builder.gep(base, [_I64(2 + 8 * j + 2 * l)]),
-                                                              _I16.as_pointer()), align=1), _I32)
-                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [builder.and_(q, _I32(511))])),
-                                              _I32(l))
-                signs.append(builder.load(builder.gep(kdata, [builder.lshr(q, _I32(9))])))
-            xv = _vload(context, builder, sig.args[4], args[4], builder.add(args[5], _I64(32 * j)), 32)
-            sx = _signs_onto(builder, _sign_word(builder, signs), xv)
-            p16 = builder.call(mub, [builder.bitcast(vals, ir.VectorType(_I8, 32)), sx])
-            sb = builder.zext(builder.load(builder.gep(base, [_I64(66 + j)])), _I16)
-            lo = builder.add(builder.shl(builder.and_(sb, _I16(15)), _I16(1)), _I16(1))
-            hi = builder.add(builder.shl(builder.lshr(sb, _I16(4)), _I16(1)), _I16(1))
-            m = ir.Constant(v16, ir.Undefined)
-            for i in range(16):
-                m = builder.insert_element(m, lo if i < 8 else hi, _I32(i))
-            acc = builder.add(acc, builder.call(mw, [p16, m]))
-        return _reduce(builder, acc)
-
-    return types.int64(w, types.int64, grid, ksigns, x, types.int64), codegen
 
 
 @intrinsic
@@ -501,6 +446,41 @@ def _dot_iq4_xs_avx2(typingctx, w, o, sc, x, xo):
 
 
 @intrinsic
+def _dot_iq4_xs_avx2r(typingctx, w, o, x, xo):
+    """One IQ4_XS block at w[o:] (d | scales_h u16 | scales_l[4] | qs[128])
+    against x[xo:xo + 256], its 6-bit scales (minus 32) unpacked in vector
+    lanes: sum over sub-blocks j of scale_j * the code book's values . x."""
+    if not all(isinstance(a, types.Array) for a in (w, x)):
+        return None
+    table = _kvalues()
+
+    def codegen(context, builder, sig, args):
+        v8h, v16 = ir.VectorType(_I16, 8), ir.VectorType(_I16, 16)
+        wb = _base(context, builder, sig.args[0], args[0], args[1])
+        xb = _base(context, builder, sig.args[2], args[2], args[3])
+        lo4 = _ld(builder, wb, 4, 4)
+        lo = builder.zext(builder.shuffle_vector(lo4, ir.Constant(lo4.type, ir.Undefined),
+                                                 ir.Constant(ir.VectorType(_I32, 8), [0, 0, 1, 1, 2, 2, 3, 3])), v8h)
+        lo = builder.and_(builder.lshr(lo, ir.Constant(v8h, [0, 4] * 4)), ir.Constant(v8h, [15] * 8))
+        sh = builder.load(builder.bitcast(builder.gep(wb, [_I64(2)]), _I16.as_pointer()), align=1)
+        shv = builder.shuffle_vector(builder.insert_element(ir.Constant(v8h, ir.Undefined), sh, _I32(0)),
+                                     ir.Constant(v8h, ir.Undefined), ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+        hi = builder.and_(builder.lshr(shv, ir.Constant(v8h, [2 * j for j in range(8)])), ir.Constant(v8h, [3] * 8))
+        sc8 = builder.sub(builder.or_(lo, builder.shl(hi, ir.Constant(v8h, [4] * 8))), ir.Constant(v8h, [32] * 8))
+        splats = _scale_splats(builder, builder.sext(sc8, ir.VectorType(_I32, 8)))
+        acc = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
+        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [v16, v16])
+        for j in range(8):
+            u, s = _signed(builder, _iq4_values(builder, _ld(builder, wb, 8 + 16 * j, 16), table),
+                           _ld(builder, xb, 32 * j, 32))
+            p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [ir.VectorType(_I8, 32)] * 2), [u, s])
+            acc = builder.add(acc, builder.call(mw, [p16, splats[j]]))
+        return _reduce(builder, acc)
+
+    return types.int64(w, types.int64, x, types.int64), codegen
+
+
+@intrinsic
 def _dot_q4_k_avx2(typingctx, w, o, sc, x, xo):
     """One Q4_K block at w[o:]: sum over c < 4 of sc[2c] * lo nibbles of
     w[o + 16 + 32 c:] . x[xo + 64 c:] + sc[2c + 1] * hi nibbles . x[xo + 64 c + 32:]."""
@@ -518,6 +498,329 @@ def _dot_q4_k_avx2(typingctx, w, o, sc, x, xo):
         return _reduce(builder, acc)
 
     return types.int64(w, types.int64, sc, x, types.int64), codegen
+
+
+# ---------------------------------------------------------------------------
+# AVX2 block kernels that read the block's bytes in vector registers: Q8_0 in
+# groups of 8 blocks, Q6_K, and Q4_K / Q5_K with their 6-bit scales and mins
+# unpacked in registers (no scratch) and the block's float step fused in.
+
+
+def _base(context, builder, ty, arr, off=None):
+    """i8* to arr's data (+ ``off`` bytes)."""
+    p = builder.bitcast(context.make_array(ty)(context, builder, arr).data, _I8.as_pointer())
+    return p if off is None else builder.gep(p, [off])
+
+
+def _ld(builder, base, off, n):
+    """<n x i8> at base + off (off: a Python int or an i64 value)."""
+    o = _I64(off) if isinstance(off, int) else off
+    return builder.load(builder.bitcast(builder.gep(base, [o]), ir.VectorType(_I8, n).as_pointer()), align=1)
+
+
+def _ld_f16(builder, base, off):
+    h = builder.load(builder.bitcast(builder.gep(base, [_I64(off)]), ir.HalfType().as_pointer()), align=1)
+    return builder.fpext(h, ir.FloatType())
+
+
+def _splat16(builder, v16, lanes):
+    """<16 x i16> whose lane i is lane ``lanes[i]`` of ``v16`` (<16 x i16>)."""
+    return builder.shuffle_vector(v16, ir.Constant(v16.type, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16),
+                                                                                        list(lanes)))
+
+
+def _phadd(builder, a, b):
+    v8 = ir.VectorType(_I32, 8)
+    return builder.call(_fn(builder, "llvm.x86.avx2.phadd.d", v8, [v8, v8]), [a, b])
+
+
+def _sums8(builder, vs):
+    """8 vectors <8 x i32> -> <8 x i32> of their lane sums (lane b: sum of vs[b])."""
+    h = [_phadd(builder, vs[2 * i], vs[2 * i + 1]) for i in range(4)]
+    a, b = _phadd(builder, h[0], h[1]), _phadd(builder, h[2], h[3])
+    idx = ir.VectorType(_I32, 8)
+    lo = builder.shuffle_vector(a, b, ir.Constant(idx, [0, 1, 2, 3, 8, 9, 10, 11]))
+    hi = builder.shuffle_vector(a, b, ir.Constant(idx, [4, 5, 6, 7, 12, 13, 14, 15]))
+    return builder.add(lo, hi)
+
+
+@intrinsic
+def _q8_0_x8_avx2(typingctx, w, o, x, xo, xd, xdo, a):
+    """Eight Q8_0 blocks at w[o:] (34 bytes each: fp16 d, 32 int8 codes)
+    against x[xo:xo + 256] (int8) with activation scales xd[xdo:xdo + 8]
+    (offsets into the arrays' data, in bytes for w and x, elements for xd):
+    ``a`` plus, block by block in order, (d_b * xd_b) * float(s_b), the
+    reference's float steps (8 integer sums reduced together, the float
+    products in one vector, the additions in block order)."""
+    if not all(isinstance(t, types.Array) for t in (w, x, xd)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        wb = _base(context, builder, sig.args[0], args[0], args[1])
+        xb = _base(context, builder, sig.args[2], args[2], args[3])
+        sums = []
+        dv = ir.Constant(ir.VectorType(_I16, 8), ir.Undefined)
+        for b in range(8):
+            u, s = _signed(builder, _ld(builder, wb, 34 * b + 2, 32), _ld(builder, xb, 32 * b, 32))
+            sums.append(_madd(builder, u, s))
+            h = builder.load(builder.bitcast(builder.gep(wb, [_I64(34 * b)]), _I16.as_pointer()), align=1)
+            dv = builder.insert_element(dv, h, _I32(b))
+        s8 = builder.sitofp(_sums8(builder, sums), ir.VectorType(f32, 8))
+        dw = builder.fpext(builder.bitcast(dv, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(f32, 8))
+        xdp = builder.gep(builder.bitcast(context.make_array(sig.args[4])(context, builder, args[4]).data,
+                                          f32.as_pointer()), [args[5]])
+        xv = builder.load(builder.bitcast(xdp, ir.VectorType(f32, 8).as_pointer()), align=4)
+        c = builder.fmul(builder.fmul(dw, xv), s8)
+        acc = args[6]
+        for b in range(8):
+            acc = builder.fadd(acc, builder.extract_element(c, _I32(b)))
+        return acc
+
+    return types.float32(w, types.int64, x, types.int64, xd, types.int64, types.float32), codegen
+
+
+@intrinsic
+def _dot_q6_k_avx2(typingctx, w, o, x, xo):
+    """One Q6_K block at w[o:] (ql[128] | qh[64] | int8 scales[16] | fp16 d)
+    against x[xo:xo + 256]: sum over its 16-value groups g of scale_g * sum
+    of (q - 32) * x, q = 4 low bits from ql, 2 high from qh (0..63). As
+    ggml: pmaddubsw of q and of 32 with x, their difference times the
+    scales (pmaddwd) into int32 lanes, one reduction."""
+    if not all(isinstance(t, types.Array) for t in (w, x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v8 = ir.VectorType(_I8, 32)
+        v16 = ir.VectorType(_I16, 16)
+        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
+        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [v16, v16])
+        wb = _base(context, builder, sig.args[0], args[0], args[1])
+        xb = _base(context, builder, sig.args[2], args[2], args[3])
+        sc = builder.sext(_ld(builder, wb, 192, 16), v16)
+        m15, m3 = ir.Constant(v8, [15] * 32), ir.Constant(v8, [3] * 32)
+        c32 = ir.Constant(v8, [32] * 32)
+        acc = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
+        for h in range(2):
+            ql = [_ld(builder, wb, 64 * h, 32), _ld(builder, wb, 64 * h + 32, 32)]
+            qh = _ld(builder, wb, 128 + 32 * h, 32)
+            for k in range(4):
+                lo = ql[k & 1]
+                lo = builder.and_(lo, m15) if k < 2 else builder.lshr(lo, ir.Constant(v8, [4] * 32))
+                hb = qh if k == 0 else builder.lshr(qh, ir.Constant(v8, [2 * k] * 32))
+                q = builder.or_(lo, builder.shl(builder.and_(hb, m3), ir.Constant(v8, [4] * 32)))
+                xv = _ld(builder, xb, 128 * h + 32 * k, 32)
+                p16 = builder.sub(builder.call(mub, [q, xv]), builder.call(mub, [c32, xv]))
+                g = 8 * h + 2 * k
+                acc = builder.add(acc, builder.call(mw, [p16, _splat16(builder, sc, [g] * 8 + [g + 1] * 8)]))
+        return _reduce(builder, acc)
+
+    return types.int64(w, types.int64, x, types.int64), codegen
+
+
+def _scales_mins_k4(builder, wb):
+    """The 8 6-bit scales and 8 mins of a Q4_K / Q5_K block (12 bytes at
+    w + 4, as _scale_min_k4) -> <16 x i16>: scales in lanes 0..7, mins in
+    8..15 (ggml's utmp shuffle of three 32-bit words)."""
+    def word(off):
+        return builder.load(builder.bitcast(builder.gep(wb, [_I64(off)]), _I32.as_pointer()), align=1)
+
+    u0, u1, u2 = word(4), word(8), word(12)
+    k1, k2, k3 = _I32(0x3F3F3F3F), _I32(0x0F0F0F0F), _I32(0x03030303)
+    t3 = builder.or_(builder.and_(builder.lshr(u2, _I32(4)), k2),
+                     builder.shl(builder.and_(builder.lshr(u1, _I32(6)), k3), _I32(4)))
+    t2 = builder.and_(u1, k1)
+    t1 = builder.or_(builder.and_(u2, k2), builder.shl(builder.and_(builder.lshr(u0, _I32(6)), k3), _I32(4)))
+    t0 = builder.and_(u0, k1)
+    v = ir.Constant(ir.VectorType(_I32, 4), ir.Undefined)
+    for i, t in enumerate((t0, t1, t2, t3)):
+        v = builder.insert_element(v, t, _I32(i))
+    return builder.zext(builder.bitcast(v, ir.VectorType(_I8, 16)), ir.VectorType(_I16, 16))
+
+
+def _blk_k4(hbits: bool):
+    """One Q4_K (hbits False: 144 bytes, nibbles at 16) or Q5_K (True: 176
+    bytes, high bits qh[32] at 16, nibbles at 48) block at w[o:] against
+    x[xo:xo + 256] with its 32-value sums xs[xso:xso + 8] and scale ``xd``:
+    the block's float contribution (d * xd) * float(S) - (dmin * xd) *
+    float(M) as the reference computes it (S: scales . codes . x, M: mins . xs)."""
+    def impl(typingctx, w, o, x, xo, xs, xso, xd):
+        if not all(isinstance(t, types.Array) for t in (w, x, xs)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v8 = ir.VectorType(_I8, 32)
+            v16 = ir.VectorType(_I16, 16)
+            mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
+            mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [v16, v16])
+            wb = _base(context, builder, sig.args[0], args[0], args[1])
+            xb = _base(context, builder, sig.args[2], args[2], args[3])
+            sm = _scales_mins_k4(builder, wb)
+            qo = 48 if hbits else 16
+            qh = _ld(builder, wb, 16, 32) if hbits else None
+            v8i = ir.VectorType(_I32, 8)
+            splats = _scale_splats(builder, builder.zext(builder.shuffle_vector(
+                sm, ir.Constant(v16, ir.Undefined), ir.Constant(v8i, list(range(8)))), v8i))
+            acc = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
+            for c in range(4):
+                q = _ld(builder, wb, qo + 32 * c, 32)
+                for h in range(2):
+                    n = _nibbles(builder, q, h == 1)
+                    j = 2 * c + h
+                    if hbits:
+                        hb = qh if j == 0 else builder.lshr(qh, ir.Constant(v8, [j] * 32))
+                        n = builder.or_(n, builder.shl(builder.and_(hb, ir.Constant(v8, [1] * 32)),
+                                                       ir.Constant(v8, [4] * 32)))
+                    p16 = builder.call(mub, [n, _ld(builder, xb, 64 * c + 32 * h, 32)])
+                    acc = builder.add(acc, builder.call(mw, [p16, splats[j]]))
+            s = builder.call(_fn(builder, "llvm.vector.reduce.add.v8i32", _I32, [acc.type]), [acc])
+            # M = sum over the 8 32-value groups of min_j * xs[j]
+            v8i = ir.VectorType(_I32, 8)
+            mins = builder.zext(builder.shuffle_vector(sm, ir.Constant(v16, ir.Undefined),
+                                                       ir.Constant(ir.VectorType(_I32, 8), list(range(8, 16)))), v8i)
+            xsp = builder.gep(builder.bitcast(context.make_array(sig.args[4])(context, builder, args[4]).data,
+                                              _I32.as_pointer()), [args[5]])
+            xsv = builder.load(builder.bitcast(xsp, v8i.as_pointer()), align=4)
+            m = builder.call(_fn(builder, "llvm.vector.reduce.add.v8i32", _I32, [v8i]), [builder.mul(mins, xsv)])
+            f32 = ir.FloatType()
+            xdv = args[6]
+            v = builder.fmul(builder.fmul(_ld_f16(builder, wb, 0), xdv), builder.sitofp(s, f32))
+            return builder.fsub(v, builder.fmul(builder.fmul(_ld_f16(builder, wb, 2), xdv), builder.sitofp(m, f32)))
+
+        return types.float32(w, types.int64, x, types.int64, xs, types.int64, types.float32), codegen
+
+    impl.__name__ = "_blk_q5_k_avx2" if hbits else "_blk_q4_k_avx2"
+    return intrinsic(impl)
+
+
+_blk_q4_k_avx2, _blk_q5_k_avx2 = _blk_k4(False), _blk_k4(True)
+
+
+_PARITY = [(bin(i).count("1") & 1) << 7 for i in range(16)] * 2    # 4 bits -> 0x80 where their parity is odd
+
+
+def _parity7(builder, s, width):
+    """Lanes of ``s`` (<n x i{width}>, values 0..127) with bit 7 set where
+    they hold an odd number of set bits: KSIGNS[s], computed (the 7 bits
+    folded to 4, then pshufb of a 16-entry table)."""
+    n = s.type.count
+    vt = s.type
+    f = builder.and_(builder.xor(s, builder.lshr(s, ir.Constant(vt, [4] * n))), ir.Constant(vt, [15] * n))
+    v8 = ir.VectorType(_I8, 32)
+    par = builder.call(_fn(builder, "llvm.x86.avx2.pshuf.b", v8, [v8, v8]),
+                       [ir.Constant(v8, _PARITY), builder.bitcast(f, v8)])
+    return builder.or_(s, builder.bitcast(par, vt))
+
+
+def _psign_bytes(builder, words, j, xv):
+    """x with its 32 lanes' signs flipped where bit i % 8 of byte 4 j + i // 8
+    of ``words`` (<32 x i8>) is set (psign by -1 / +1)."""
+    v8 = ir.VectorType(_I8, 32)
+    spread = builder.shuffle_vector(words, ir.Constant(v8, ir.Undefined),
+                                    ir.Constant(ir.VectorType(_I32, 32), [4 * j + i // 8 for i in range(32)]))
+    bits = ir.Constant(v8, [1 << (i % 8) for i in range(32)])
+    # (spread & bit) + 127: 127 where the bit is clear, 128..255 (negative) where it is set: psign's operand,
+    # in two ALU operations (no compare into a mask register)
+    t = builder.add(builder.and_(spread, bits), ir.Constant(v8, [127] * 32))
+    return builder.call(_fn(builder, "llvm.x86.avx2.psign.b", v8, [v8, v8]), [xv, t])
+
+
+def _odd_scales(builder, sb8):
+    """<8 x i8> scale bytes -> <16 x i16>: 2 * low nibble + 1 in lanes 0..7,
+    2 * high nibble + 1 in 8..15."""
+    v16 = ir.VectorType(_I16, 16)
+    s = builder.zext(builder.shuffle_vector(sb8, ir.Constant(sb8.type, ir.Undefined),
+                                            ir.Constant(ir.VectorType(_I32, 16), list(range(8)) * 2)), v16)
+    sh = builder.lshr(s, ir.Constant(v16, [0] * 8 + [4] * 8))
+    return builder.add(builder.shl(builder.and_(sh, ir.Constant(v16, [15] * 16)), ir.Constant(v16, [1] * 16)),
+                       ir.Constant(v16, [1] * 16))
+
+
+@intrinsic
+def _dot_iq2_xs_avx2(typingctx, w, o, grid, x, xo):
+    """One IQ2_XS block at w[o:] (d | 32 x u16: 9-bit grid index, 7-bit
+    sign index | scales[8]): sum over sub-blocks of the two halves' scales
+    (1 + 2 * nibble) times sum of sign * grid value * x. ``grid``: uint64
+    [512] (8 values each). The sign bytes (KSIGNS of the 7-bit indices) are
+    computed for the whole block in vector lanes, as ggml does."""
+    if not all(isinstance(a, types.Array) for a in (w, grid, x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I16, 16)
+        v8 = ir.VectorType(_I8, 32)
+        v32i, v4 = ir.VectorType(_I32, 8), ir.VectorType(_I64, 4)
+        base = _base(context, builder, sig.args[0], args[0], args[1])
+        xb = _base(context, builder, sig.args[3], args[3], args[4])
+        gdata = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data, _I64.as_pointer())
+        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", v32i, [v16, v16])
+        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
+        # the 32 sign bytes: low byte of each 16-bit lane of KSIGNS[q >> 9]
+        halves = []
+        for i in range(2):
+            q = builder.bitcast(_ld(builder, base, 2 + 32 * i, 32), v16)
+            halves.append(_parity7(builder, builder.lshr(q, ir.Constant(v16, [9] * 16)), 16))
+        cat = builder.shuffle_vector(builder.bitcast(halves[0], v8), builder.bitcast(halves[1], v8),
+                                     ir.Constant(ir.VectorType(_I32, 32), list(range(0, 64, 2))))
+        sc = _odd_scales(builder, _ld(builder, base, 66, 8))
+        acc = ir.Constant(v32i, [0] * 8)
+        for j in range(8):
+            vals = ir.Constant(v4, ir.Undefined)
+            for l in range(4):
+                q = builder.zext(builder.load(builder.bitcast(builder.gep(base, [_I64(2 + 8 * j + 2 * l)]),
+                                                              _I16.as_pointer()), align=1), _I32)
+                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [builder.and_(q, _I32(511))])),
+                                              _I32(l))
+            sx = _psign_bytes(builder, cat, j, _ld(builder, xb, 32 * j, 32))
+            p16 = builder.call(mub, [builder.bitcast(vals, v8), sx])
+            acc = builder.add(acc, builder.call(mw, [p16, _splat16(builder, sc, [j] * 8 + [8 + j] * 8)]))
+        return _reduce(builder, acc)
+
+    return types.int64(w, types.int64, grid, x, types.int64), codegen
+
+
+@intrinsic
+def _dot_iq3_xxs_avx2(typingctx, w, o, grid, x, xo):
+    """One IQ3_XXS block at w[o:] (d | qs[64] | 8 x u32: four 7-bit sign
+    indices and a 4-bit scale): sum over sub-blocks of (1 + 2 * (aux >> 28))
+    * sum of sign * grid value * x. ``grid``: uint32 [256]. The sign words
+    of all 8 sub-blocks are computed in vector lanes."""
+    if not all(isinstance(a, types.Array) for a in (w, grid, x)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I16, 16)
+        v8 = ir.VectorType(_I8, 32)
+        v32i = ir.VectorType(_I32, 8)
+        base = _base(context, builder, sig.args[0], args[0], args[1])
+        xb = _base(context, builder, sig.args[3], args[3], args[4])
+        gdata = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data, _I32.as_pointer())
+        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", v32i, [v16, v16])
+        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
+        aux = builder.bitcast(_ld(builder, base, 66, 32), v32i)
+        words = ir.Constant(v32i, [0] * 8)
+        for l in range(4):
+            s = builder.and_(builder.lshr(aux, ir.Constant(v32i, [7 * l] * 8)), ir.Constant(v32i, [127] * 8))
+            words = builder.or_(words, builder.shl(_parity7(builder, s, 32), ir.Constant(v32i, [8 * l] * 8)))
+        words = builder.bitcast(words, v8)
+        # scales 1 + 2 * (aux >> 28), as i16 pairs: lane 2 j holds sub-block j's
+        splats = _scale_splats(builder, builder.or_(builder.shl(builder.lshr(aux, ir.Constant(v32i, [28] * 8)),
+                                                                ir.Constant(v32i, [1] * 8)), ir.Constant(v32i, [1] * 8)))
+
+        def byte(off):
+            return builder.zext(builder.load(builder.gep(base, [_I64(off)])), _I32)
+
+        acc = ir.Constant(v32i, [0] * 8)
+        for j in range(8):
+            vals = ir.Constant(v32i, ir.Undefined)
+            for i in range(8):
+                vals = builder.insert_element(vals, builder.load(builder.gep(gdata, [byte(2 + 8 * j + i)])), _I32(i))
+            sx = _psign_bytes(builder, words, j, _ld(builder, xb, 32 * j, 32))
+            p16 = builder.call(mub, [builder.bitcast(vals, v8), sx])
+            acc = builder.add(acc, builder.call(mw, [p16, splats[j]]))
+        return _reduce(builder, acc)
+
+    return types.int64(w, types.int64, grid, x, types.int64), codegen
 
 
 @njit(cache=True, inline="always")
@@ -555,8 +858,11 @@ if AVX2:
     dot8_scaled, dot_iq4_xs, dot_q4_k = _dot8_scaled_avx2, _dot_iq4_xs_avx2, _dot_q4_k_avx2
     dot_halves = _dot_halves_avx2
     dot_iq3_s, dot_iq3_xxs, dot_iq2_xs = _dot_iq3_s_avx2, _dot_iq3_xxs_avx2, _dot_iq2_xs_avx2
+    q8_0_x8, dot_q6_k, blk_q4_k, blk_q5_k = _q8_0_x8_avx2, _dot_q6_k_avx2, _blk_q4_k_avx2, _blk_q5_k_avx2
+    dot_iq4_xs_r = _dot_iq4_xs_avx2r
 else:
     dot_iq3_s = dot_iq3_xxs = dot_iq2_xs = None     # the callers decode in numba instead (fle_numba)
+    q8_0_x8 = dot_q6_k = blk_q4_k = blk_q5_k = dot_iq4_xs_r = None
     dot8_scaled, dot_iq4_xs, dot_q4_k = _dot8_scaled_portable, _dot_iq4_xs_portable, _dot_q4_k_portable
     dot_halves = _dot_halves_portable
 
@@ -585,3 +891,30 @@ if _host_feature("f16c"):
     f16_at = _f16_at_f16c
 else:
     from fle_quant.quants.blocks_common import fp16_at as f16_at  # noqa: E402
+
+
+# ---------------------------------------------------------------------------
+# borrowed arrays: no reference counting in the loops over rows
+
+
+@intrinsic
+def borrow(typingctx, a):
+    """``a`` with a null meminfo: the same data, shape and strides, but
+    numba's reference counting skips it (NRT_incref / NRT_decref return at
+    once on null, with no atomic operation). For arrays that outlive the
+    loop they are used in (the caller holds them): every array that an
+    inlined per-row function takes is otherwise counted up and down once per
+    row, each time a locked instruction that serialises the row's memory
+    operations."""
+    if not isinstance(a, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src = context.make_array(sig.args[0])(context, builder, args[0])
+        dst = context.make_array(sig.return_type)(context, builder)
+        for name in ("parent", "nitems", "itemsize", "data", "shape", "strides"):
+            setattr(dst, name, getattr(src, name))
+        dst.meminfo = ir.Constant(src.meminfo.type, None)
+        return dst._getvalue()
+
+    return a(a), codegen
