@@ -335,11 +335,12 @@ def _generate_engine(args, tok, prompt, sampler) -> int:
 def _serve(args) -> int:
     from .server import serve
 
+    mtp = args.mtp or args.mtp_head
     for flag, given in (("--draft-adaptive", args.draft_adaptive), ("--draft-vocab", args.draft_vocab),
                         ("--draft-vocab-corpus", args.draft_vocab_corpus)):
-        if given:
-            raise FleError(f"{flag} works with fle-engine generate for now; serve does not take it yet")
-    declare_inputs(args.model, args.mtp_head)
+        if given and not mtp:
+            raise FleError(f"{flag} drafts with the MTP head: add --mtp (or --mtp-head FILE)")
+    declare_inputs(args.model, args.mtp_head, args.draft_vocab_corpus)
     device = resolve_device(args.device)
     runtime = None
     if device == "cuda" and use_engine(args.model, args):
@@ -349,7 +350,8 @@ def _serve(args) -> int:
                        prefill_min=args.prefill_min)
     return serve(args.model, host=args.host, port=args.port, ctx_size=args.ctx_size, device=device,
                  threads=args.threads, mtp=args.mtp, mtp_head=args.mtp_head, n_draft=args.draft_max,
-                 alias=args.alias, runtime=runtime, n_parallel=args.parallel, cache_ram=args.cache_ram,
+                 draft_vocab=args.draft_vocab, draft_vocab_corpus=args.draft_vocab_corpus,
+                 draft_adaptive=args.draft_adaptive, alias=args.alias, runtime=runtime, n_parallel=args.parallel, cache_ram=args.cache_ram,
                  slot_save_path=args.slot_save_path, api_key=args.api_key)
 
 

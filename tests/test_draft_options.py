@@ -334,5 +334,8 @@ def test_cli_refusals(cli_files, capsys):
         assert engine_main(base + extra) == 2, extra
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err and err.count("\n") == 1, (extra, err)
-    assert engine_main(["serve", str(m), "--mtp", "--draft-adaptive"]) == 2
-    assert "serve does not take it yet" in capsys.readouterr().err
+    for extra, msg in ((["--draft-adaptive"], "add --mtp"),
+                       (["--mtp", "--draft-vocab", str(d / "none.txt")], f"{d / 'none.txt'}: no such file")):
+        assert engine_main(["serve", str(m), *extra]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, (extra, err)

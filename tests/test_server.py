@@ -622,6 +622,37 @@ def test_mtp_engine_gives_the_same_answer(tmp_path):
     assert spec["timings"]["draft_n"] > 0 and "draft_n" not in plain["timings"]
 
 
+def test_mtp_draft_options_keep_the_answer(tmp_path, monkeypatch):
+    """--draft-vocab and --draft-adaptive in the server: drafts only from the
+    list, the count chosen per step by one policy for all requests, the
+    answers those of plain decoding."""
+    from fle_engine import speculative
+    from fle_engine.draft_vocab import DraftVocab
+    from fle_engine.speculative import AdaptiveDraft
+
+    drafted = []
+    real = speculative.draft
+
+    def recording(*a, **kw):
+        out = real(*a, **kw)
+        drafted.extend(out[0].tolist())
+        return out
+
+    monkeypatch.setattr(speculative, "draft", recording)
+    path = make_model(tmp_path / "n.gguf", "qwen3next", seed=4, mtp="inside")
+    m, tok = fle_engine.load(path), Tokenizer.from_gguf(path)
+    body = {"prompt": "the river", "max_tokens": 12, "temperature": 0}
+    _, plain = post_json(Engine(m, tok, n_ctx=64, name="n"), "/v1/completions", body)
+    vocab = DraftVocab(list(range(0, tok.n_vocab, 3)))
+    eng = Engine(m, tok, n_ctx=64, name="n", mtp=True, n_draft=3, draft_vocab=vocab, draft_adaptive=True)
+    assert isinstance(eng.draft_policy, AdaptiveDraft) and eng.draft_policy.n_max == 3
+    for _ in range(2):
+        _, spec = post_json(eng, "/v1/completions", body)
+        assert spec["choices"] == plain["choices"] and core(spec["usage"]) == core(plain["usage"])
+    assert drafted and all(t % 3 == 0 for t in drafted)
+    assert eng.draft_policy.step > 0 and eng.draft_policy.reached[0] > 0
+
+
 # ---------------------------------------------------------------- the command line
 
 

@@ -46,9 +46,12 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
           device: str = "cpu", threads: int | None = None, mtp: bool = False, mtp_head: str | None = None,
           n_draft: int = 2, alias: str | None = None, log: TextIO = sys.stderr, runtime: dict | None = None,
           n_parallel: int = 2, cache_ram: float = 0, slot_save_path: str | None = None,
-          api_key: str | None = None) -> int:
+          api_key: str | None = None, draft_vocab: str | None = None, draft_vocab_corpus: str | None = None,
+          draft_adaptive: bool = False) -> int:
     """Load ``model_path`` and serve it until SIGINT or SIGTERM; with
-    ``runtime`` (the engine's options) on the GPU engine."""
+    ``runtime`` (the engine's options) on the GPU engine. ``draft_vocab``
+    (N or a list file, with ``draft_vocab_corpus`` for N) and
+    ``draft_adaptive``: the MTP drafting options of ``fle-engine generate``."""
     import os
 
     import torch
@@ -73,6 +76,11 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
             raise FleError(f"--threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
     tok = Tokenizer.from_gguf(model_path)
+    vocab = None
+    if mtp or mtp_head:
+        from ..draft_vocab import resolve
+
+        vocab = resolve(draft_vocab, draft_vocab_corpus, tok, log=log)       # before the model's (long) load
     with GGUFModel.open(model_path) as g:
         n_ctx_train = g.hparam("context_length", None) if g.arch else None
     n_ctx_train = int(n_ctx_train) if n_ctx_train else None
@@ -98,7 +106,8 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
         mtp = True
     name = alias or os.path.basename(str(model_path))
     engine = Engine(model, tok, n_ctx=n_ctx, name=name, n_ctx_train=n_ctx_train, mtp=mtp, n_draft=n_draft, log=log,
-                    n_parallel=n_parallel, cache_ram_mib=cache_ram, slot_save_path=slot_save_path)
+                    n_parallel=n_parallel, cache_ram_mib=cache_ram, slot_save_path=slot_save_path,
+                    draft_vocab=vocab, draft_adaptive=draft_adaptive)
     try:
         asyncio.run(_listen(engine, host, port, log, api_key))
     finally:

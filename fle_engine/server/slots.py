@@ -38,7 +38,7 @@ import torch
 from fle_quant.errors import FleError
 
 from ..sampling import Sampler, SamplerParams, generate_tokens
-from ..speculative import SpecStats, generate_speculative
+from ..speculative import AdaptiveDraft, SpecStats, generate_speculative
 from .. import layers as L
 from . import cache as C
 from .text import StopScanner
@@ -189,7 +189,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, n_ctx: int, name: str, n_ctx_train: int | None = None,
                  mtp: bool = False, n_draft: int = 2, log: TextIO | None = None, n_parallel: int = 1,
-                 cache_ram_mib: float = 0, slot_save_path: str | None = None):
+                 cache_ram_mib: float = 0, slot_save_path: str | None = None, draft_vocab=None,
+                 draft_adaptive: bool = False):
         if n_parallel < 1:
             raise FleError(f"--parallel must be at least 1, got {n_parallel}")
         if n_ctx < 2 * n_parallel:
@@ -205,6 +206,10 @@ class Engine:
         self.model, self.tok = model, tokenizer
         self.n_ctx, self.name, self.n_ctx_train, self.mtp, self.log = n_ctx, name, n_ctx_train, mtp, log
         self.n_draft = n_draft
+        # MTP drafting from a token list (draft_vocab.DraftVocab), and one adaptive draft count for all requests
+        # (acceptance and verify costs learnt across them; every request's steps run on the worker thread)
+        self.draft_vocab = draft_vocab
+        self.draft_policy = AdaptiveDraft(n_draft) if draft_adaptive and mtp else None
         self.n_parallel = n_parallel
         self.created = int(time.time())
         self.runtime = bool(getattr(model, "runtime", False))
@@ -497,7 +502,8 @@ class Engine:
             if self.mtp:
                 task.spec = SpecStats()
                 task.gen = generate_speculative(self.model, job.prompt, job.n_predict, task.sampler, stop=stop,
-                                                n_draft=self.n_draft, stats=task.spec)
+                                                n_draft=self.n_draft, stats=task.spec, vocab=self.draft_vocab,
+                                                adaptive=self.draft_policy)
             else:
                 # the GPU engine keeps what its sequence shares with the last one
                 keep = {"cache_prompt": job.cache_prompt} if self.runtime else {}
