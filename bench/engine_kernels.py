@@ -74,7 +74,7 @@ def expert_bench(configs, n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -
     from fle_quant.ggml_types import GGMLType
 
     qt = GGMLType.IQ4_XS
-    fast_default, paired_default = _tq.FAST_DECODE, dict(te.PAIRED)
+    fast_default, paired_default, decode_default = _tq.FAST_DECODE, dict(te.PAIRED), dict(te.IQ4_DECODE)
     lay = ExpertLayout(n_ff, n_embd, qt, n_embd // 256 * 136, qt, n_ff // 256 * 136)
     eb = lay.expert_bytes
     rng = np.random.default_rng(0)
@@ -96,8 +96,10 @@ def expert_bench(configs, n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -
     bytes_layer = k * eb
     for cfg, fast in configs:
         os.environ["FLE_EXPERT_CONFIG"] = ",".join(str(c) for c in cfg)
-        _tq.FAST_DECODE = fast in ("fast", "paired")
+        _tq.FAST_DECODE = fast in ("fast", "paired", "table")
         te.PAIRED = {"hit": fast == "paired", "miss": fast == "paired"}
+        dec = "table" if fast == "table" else "permute"
+        te.IQ4_DECODE = {"hit": dec, "miss": dec}
         row = {"config": cfg, "decode": fast}
         for name, smap in (("hit", hit_map), ("miss", miss_map)):
             def fn(smap=smap):
@@ -111,7 +113,7 @@ def expert_bench(configs, n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -
         out.append(row)
         print(row, flush=True)
     os.environ.pop("FLE_EXPERT_CONFIG", None)
-    _tq.FAST_DECODE, te.PAIRED = fast_default, paired_default
+    _tq.FAST_DECODE, te.PAIRED, te.IQ4_DECODE = fast_default, paired_default, decode_default
     torch.cuda.cudart().cudaHostUnregister(host_np.ctypes.data)
     return out
 
@@ -202,8 +204,9 @@ def main(argv=None) -> int:
         dn = [(4, 1, 0), (8, 1, 0), (8, 2, 0), (16, 2, 0), (16, 4, 0), (32, 4, 0), (32, 8, 0), (64, 8, 0)]
         configs = sorted(set(configs + [g + d for g, d in zip(gu, dn)] + [g + base[3:] for g in gu]
                              + [base[:3] + d for d in dn]))
-    # the byte-permute IQ4 decoder with gate and up rows in one loop, in two, and the value-by-value decoder
-    decodes = ["paired", "fast", "plain"] if _tq.FAST_DECODE else ["plain"]
+    # the byte-permute IQ4 decoder with gate and up rows in one loop, in two, the code-book table, and the
+    # value-by-value decoder from packed words
+    decodes = ["paired", "fast", "table", "plain"] if _tq.FAST_DECODE else ["table", "plain"]
     res["read_ceiling"] = read_ceiling()
     res["experts"] = expert_bench([(c, f) for f in decodes for c in configs])
     res["dense"] = dense_bench()

@@ -286,12 +286,20 @@ def _close(a, b, tol=1e-5):
     assert float((a - b).abs().max()) <= tol * scale, float((a - b).abs().max()) / scale
 
 
-@pytest.mark.parametrize("qtype,config,share", [(GGMLType.IQ4_XS, None, 0), (GGMLType.Q8_0, None, 0),
-                                                (GGMLType.IQ3_S, None, 0), (GGMLType.IQ4_XS, "4,1,1,8,2,1", 0),
-                                                (GGMLType.IQ4_XS, None, 256), (GGMLType.Q8_0, None, 128)])
-def test_experts_kernel(fast, qtype, config, share, monkeypatch):
+@pytest.mark.parametrize("qtype,config,share,decode", [
+    (GGMLType.IQ4_XS, None, 0, None), (GGMLType.Q8_0, None, 0, None), (GGMLType.IQ3_S, None, 0, None),
+    (GGMLType.IQ4_XS, "4,1,1,8,2,1", 0, None), (GGMLType.IQ4_XS, None, 256, None), (GGMLType.Q8_0, None, 128, None),
+    (GGMLType.IQ4_XS, None, 0, "table"), (GGMLType.IQ4_XS, "8,4,0,16,4,0", 0, "permute")])
+def test_experts_kernel(fast, qtype, config, share, decode, monkeypatch):
     if config:
-        monkeypatch.setenv("FLE_EXPERT_CONFIG", config)      # the unrolled chunk loop
+        monkeypatch.setenv("FLE_EXPERT_CONFIG", config)      # the unrolled chunk loop, or the hit launch
+    if decode:
+        # the IQ4_XS decoders of the miss launch (byte permutes run on a GPU only; the interpreter selects)
+        from fle_engine.kernels import triton_engine as te
+
+        monkeypatch.setitem(te.IQ4_DECODE, "miss", decode)
+        monkeypatch.setitem(te.PAIRED, "miss", True)
+        assert te._decode_code("miss") == {"table": 2, "permute": 1 if CUDA else 0}[decode]
     rng = np.random.default_rng(int(qtype))
     n_exp, n_ff, n_embd, n_used = 6, 32, 256, 3
     rb_gu = quantize(np.zeros((1, n_embd), np.float32), qtype).shape[-1]

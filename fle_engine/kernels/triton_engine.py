@@ -72,8 +72,9 @@ def _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE: tl.constexpr
     """[BLOCK_N] products of the rows at word offsets ``row_w`` with the
     activation row at ``x_base``; ``UNROLL`` unrolls the chunk loop, so that
     every chunk's loads can be in flight at once (for reads over PCIe);
-    ``FAST``: IQ4_XS through the byte-permute decoder."""
-    if FAST and QTYPE == 23 and not UNROLL:
+    ``FAST``: IQ4_XS through the byte-permute decoder (1) or its code-book
+    table (2), else value by value from packed words (0)."""
+    if FAST == 1 and QTYPE == 23 and not UNROLL:
         y = _iq4_xs_rows_fast(wv, row_w, x_base, N_CHUNKS, BLOCK_N)
     else:
         k_in = _value_index(QTYPE, A, B, C)
@@ -85,7 +86,7 @@ def _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE: tl.constexpr
                 acc4 += w * tl.load(x_base + k, mask=k < n_in, other=0.0)[None, :, :, :]
         else:
             for kc in range(0, N_CHUNKS):
-                w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C)
+                w = _decode(QTYPE, wv, lut_ptr, row_w, kc, n_blocks, A, B, C, FAST == 2)
                 k = kc * (A * B * C) + k_in
                 acc4 += w * tl.load(x_base + k, mask=k < n_in, other=0.0)[None, :, :, :]
         y = tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1)
@@ -133,7 +134,7 @@ def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
         x_base = x_ptr + x_row.to(tl.int64) * stride_x
         if GATE_UP:
             row_u = row_w + n_out.to(tl.int64) * row_words      # the up rows follow the gate rows
-            if PAIRED and FAST and QTYPE == 23 and not UNROLL:
+            if PAIRED and FAST == 1 and QTYPE == 23 and not UNROLL:
                 # gate and up rows in one loop: twice the loads in flight per program
                 gu = _iq4_xs_rows_fast(wv, tl.reshape(tl.join(row_w, row_u), [2 * BLOCK_N]), x_base, N_CHUNKS,
                                        2 * BLOCK_N)
@@ -161,6 +162,16 @@ EXPERT_CONFIG = {"miss": ((2, 1, 0), (4, 1, 0)), "hit": ((8, 4, 0), (16, 4, 0))}
 # With the byte-permute decoder, whether a program reads its gate and up rows in one loop, per mode:
 # measured faster from the slots, slower over PCIe (36.4 against 37.9 GB/s at the miss launch).
 PAIRED = {"miss": False, "hit": True}
+# The IQ4_XS decoder of each mode: "permute" (byte permutes, the default on a GPU), "table" (a code-book load
+# per value: the decoder of the morning runs that read 43 GB/s over PCIe, not yet measured against "permute"
+# in one process) or "select" (packed words; what Triton's interpreter and FLE_FAST_DECODE=0 run).
+IQ4_DECODE = {"miss": "permute", "hit": "permute"}
+_DECODE_CODE = {"select": 0, "permute": 1, "table": 2}
+
+
+def _decode_code(mode: str) -> int:
+    code = _DECODE_CODE[IQ4_DECODE[mode]]
+    return 0 if code == 1 and not _tq.FAST_DECODE else code       # byte permutes need a GPU
 
 
 def _expert_config(gate_up: bool, mode: str) -> tuple[int, int, int]:
@@ -200,7 +211,7 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
         x.stride(0), out.stride(0), int(cpu_share),
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
         BLOCK_N=block_n, GATE_UP=gate_up, UNROLL=bool(unroll), SPLIT=cpu_share > 0,
-        KP=triton.next_power_of_2(n_used), FAST=_tq.FAST_DECODE, PAIRED=PAIRED[mode], num_warps=warps)
+        KP=triton.next_power_of_2(n_used), FAST=_decode_code(mode), PAIRED=PAIRED[mode], num_warps=warps)
     return out
 
 

@@ -193,7 +193,8 @@ def _decode_iq4_nl(wv, lut_ptr, row_w, kc, n_blocks, A: tl.constexpr, B: tl.cons
 
 
 @triton.jit
-def _decode_iq4_xs(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+def _decode_iq4_xs(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
+                   LUT: tl.constexpr = False):
     # block, 34 words: d f16 + scales_h u16 | scales_l[4] | qs[128]. 32-value sub-block a has the 6-bit
     # scale (nibble a of scales_l) | (bits 2a, 2a+1 of scales_h) << 4 and the bytes of qs words
     # 4a .. 4a + 3. Tile [BN, A = 8, B = 4 words, C = 8]: byte c & 3 of word b, nibble c >> 2:
@@ -209,7 +210,11 @@ def _decode_iq4_xs(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: 
     dl = d[:, None] * (ls - 32).to(tl.float32)  # [BN, A]
     q = tl.load(wv + bw[:, None, None] + 2 + (4 * a)[None, :, None] + b[None, None, :])  # [BN, A, B]
     nib = (q[:, :, :, None] >> (8 * (c & 3) + 4 * (c >> 2))[None, None, None, :]) & 0xF
-    return dl[:, :, None, None] * _iq4_value(nib)
+    if LUT:     # the code book read from its table (a load per value; measured for reads over PCIe)
+        vals = tl.load(lut_ptr + nib)
+    else:
+        vals = _iq4_value(nib)
+    return dl[:, :, None, None] * vals
 
 
 @triton.jit
@@ -423,8 +428,10 @@ def _value_index(QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.co
 
 
 @triton.jit
-def _decode(QTYPE: tl.constexpr, wv, lut_ptr, row_w, kc, n_blocks, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
-    """Chunk ``kc`` of the rows at word offsets ``row_w`` [BN] -> float32 [BN, A, B, C]."""
+def _decode(QTYPE: tl.constexpr, wv, lut_ptr, row_w, kc, n_blocks, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
+            LUT: tl.constexpr = False):
+    """Chunk ``kc`` of the rows at word offsets ``row_w`` [BN] -> float32 [BN, A, B, C]; ``LUT``: IQ4_XS
+    values loaded from the code-book table instead of selected from packed words."""
     if QTYPE == 8:
         w = _decode_q8_0(wv, row_w, kc, n_blocks, A, B, C)
     elif QTYPE == 14:
@@ -447,7 +454,7 @@ def _decode(QTYPE: tl.constexpr, wv, lut_ptr, row_w, kc, n_blocks, A: tl.constex
         w = _decode_q2_0(wv, row_w, kc, n_blocks, A, B, C)
     else:
         tl.static_assert(QTYPE == 23)
-        w = _decode_iq4_xs(wv, lut_ptr, row_w, kc, A, B, C)
+        w = _decode_iq4_xs(wv, lut_ptr, row_w, kc, A, B, C, LUT)
     return w
 
 
