@@ -273,14 +273,7 @@ class Net:
             ops.experts(st, lay.down_type, 0, lay.down_offset // st.word, 0, a.n_embd, lay.down_row_bytes, smap,
                         ids, b.h, y, False, k, b.wts.view(-1), cpu_share=share)
         if m.shared is not None:
-            g, u, d = m.shared
-            g.matvec(b.xn, b.sg, impl)
-            u.matvec(b.xn, b.su, impl)
-            b.sg.copy_(F.silu(b.sg) * b.su)
-            d.matvec(b.sg, b.y[:, k], impl)
-            if m.shared_gate is not None:
-                torch.matmul(b.xn, m.shared_gate.T, out=b.sgate)
-                b.y[:, k].mul_(torch.sigmoid(b.sgate))
+            self.shared_expert(m, b.xn, b.sg, b.su, b.sgate, b.y[:, k], impl)
         elif self._n_sh and split is not None:
             b.y[:, k].zero_()                 # the parts are summed as one range
         if split is not None:
@@ -289,6 +282,19 @@ class Net:
                 ops.wait_misses(split, il, ids, smap, state.serial, row)
             else:
                 row.zero_()
+
+    @staticmethod
+    def shared_expert(m: Moe, xn: Tensor, sg: Tensor, su: Tensor, sgate: Tensor, out: Tensor, impl: str) -> None:
+        """The (gated) shared expert of the rows ``xn`` [T, D] -> ``out`` [T, D];
+        ``sg``, ``su`` [T, F] and ``sgate`` [T, 1] are its scratch."""
+        g, u, d = m.shared
+        g.matvec(xn, sg, impl)
+        u.matvec(xn, su, impl)
+        sg.copy_(F.silu(sg) * su)
+        d.matvec(sg, out, impl)
+        if m.shared_gate is not None:
+            torch.matmul(xn, m.shared_gate.T, out=sgate)
+            out.mul_(torch.sigmoid(sgate))
 
     def moe_parts(self, m: Moe, state) -> Tensor:
         """The parts of b.y that layer's MoE wrote: K routed (+ the shared
@@ -438,8 +444,7 @@ class Net:
         m = state.multi = SimpleNamespace(t_max=t_max)
         m.x = torch.zeros(t_max, a.n_embd, **f32)
         m.xn = torch.zeros(t_max, a.n_embd, **f32)
-        gated = any(isinstance(L.mixer, Attn) and L.mixer.gated for L in self.layers)
-        m.qkv = torch.zeros(t_max, (2 * a.n_head * gated + a.n_head + 2 * a.n_head_kv) * hd, **f32)
+        m.qkv = torch.zeros(t_max, (2 * a.n_head + 2 * a.n_head_kv) * hd, **f32)     # room for a gate block
         m.q = torch.zeros(t_max, a.n_head * hd, **f32)
         m.o = torch.zeros(t_max, a.n_head * hd, **f32)
         m.attn_out = torch.zeros(t_max, 1, a.n_embd, **f32)
@@ -521,17 +526,8 @@ class Net:
             ops.experts_union(st, lay.down_type, 0, lay.down_offset // st.word, 0, a.n_embd, lay.down_row_bytes,
                               smap, ids, h, y, False, k, wts)
         if mo.shared is not None:
-            impl = self.impl(state)
-            g, u, d = mo.shared
-            g.matvec(xn, m.sg[:n], impl)
-            u.matvec(xn, m.su[:n], impl)
-            m.sg[:n].copy_(F.silu(m.sg[:n]) * m.su[:n])
-            parts = m.parts[:n]
-            parts[:, :k].copy_(m.y[:n])
-            d.matvec(m.sg[:n], parts[:, k], impl)
-            if mo.shared_gate is not None:
-                torch.matmul(xn, mo.shared_gate.T, out=m.sgate[:n])
-                parts[:, k].mul_(torch.sigmoid(m.sgate[:n]))
+            m.parts[:n, :k].copy_(m.y[:n])
+            self.shared_expert(mo, xn, m.sg[:n], m.su[:n], m.sgate[:n], m.parts[:n, k], self.impl(state))
 
     def multi_parts(self, mo: Moe, state, n: int) -> Tensor:
         """The parts that :meth:`moe_multi` wrote for T tokens: [T, K (+1), D]."""

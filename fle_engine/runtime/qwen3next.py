@@ -130,16 +130,24 @@ class Net(qwen3moe.Net):
         conv, delta rule, norm and gate in one op (``gdn_step``)."""
         a, b = self.args, state.bufs
         impl = self.impl(state)
-        if m.proj is not None:
-            m.proj.matvec(b.xn, b.gproj, impl)
-        else:
-            for mat, out in ((m.qkv, b.gqkv), (m.z, b.gz), (m.b, b.gb), (m.a, b.ga)):
-                mat.matvec(b.xn, out, impl)
+        self.gdn_project(m, b.xn, b.gproj, impl)
         conv_state, ssm = state.kv[il]
         ops.gdn_step(b.gqkv.view(-1), b.gz.view(-1), b.gb.view(-1), b.ga.view(-1), conv_state, m.conv, m.dt_bias,
                      m.ssm_a, ssm, m.norm, a.eps, a.n_k_heads, self.gdn_tiled, self.gdn_sigmoid, b.gconv.view(-1),
                      b.go.view(-1))
         m.out.matvec(b.go, b.attn_out.view(1, -1), impl)
+
+    @staticmethod
+    def gdn_project(m: GDN, xn: Tensor, proj: Tensor, impl: str) -> None:
+        """The rows ``xn`` [T, D] -> ``proj`` [T, qkv | z | beta | alpha]: one
+        product when the four share a type, else four."""
+        if m.proj is not None:
+            m.proj.matvec(xn, proj, impl)
+        else:
+            off = 0
+            for mat in (m.qkv, m.z, m.b, m.a):
+                mat.matvec(xn, proj[:, off:off + mat.n_out], impl)
+                off += mat.n_out
 
     def mix(self, L: qwen3moe.Layer, il: int, state, ops) -> None:
         if isinstance(L.mixer, GDN):
@@ -176,14 +184,7 @@ class Net(qwen3moe.Net):
         a, m = self.args, state.multi
         impl = self.impl(state)
         c, nz, nv = a.conv_dim, a.n_v_heads * a.d_state, a.n_v_heads
-        xn, proj = m.xn[:n], m.gproj[:n]
-        if g.proj is not None:
-            g.proj.matvec(xn, proj, impl)
-        else:
-            off = 0
-            for mat in (g.qkv, g.z, g.b, g.a):
-                mat.matvec(xn, proj[:, off:off + mat.n_out], impl)
-                off += mat.n_out
+        self.gdn_project(g, m.xn[:n], m.gproj[:n], impl)
         conv_state, ssm = state.kv[il]
         snap_conv, snap_ssm = m.snaps[il]
         for t in range(n):

@@ -170,6 +170,13 @@ def _fn(builder, name, ret, args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
 
 
+def _madds(builder):
+    """pmaddubsw (u8 x i8 pairs -> i16) and pmaddwd (i16 pairs -> i32), AVX2."""
+    v16 = ir.VectorType(_I16, 16)
+    return (_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [ir.VectorType(_I8, 32)] * 2),
+            _fn(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [v16, v16]))
+
+
 def _vload(context, builder, ty, arr, off, n):
     data = context.make_array(ty)(context, builder, arr).data
     p = builder.gep(builder.bitcast(data, _I8.as_pointer()), [off])
@@ -304,8 +311,7 @@ def _dot_halves_avx2(typingctx, w8, sc, x, xo):
     def codegen(context, builder, sig, args):
         v16 = ir.VectorType(_I16, 16)
         acc = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
-        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [v16, v16])
-        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [ir.VectorType(_I8, 32)] * 2)
+        mub, mw = _madds(builder)
         for j in range(8):
             wv = _vload(context, builder, sig.args[0], args[0], _I64(32 * j), 32)
             xv = _vload(context, builder, sig.args[2], args[2], builder.add(args[3], _I64(32 * j)), 32)
@@ -407,8 +413,7 @@ def _dot_iq3_s_avx2(typingctx, w, o, grid, x, xo):
         splats = _scale_splats(builder, builder.or_(builder.shl(s8, ir.Constant(v32i, [1] * 8)),
                                                     ir.Constant(v32i, [1] * 8)))
         v16 = ir.VectorType(_I16, 16)
-        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", v32i, [v16, v16])
-        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
+        mub, mw = _madds(builder)
         acc = ir.Constant(v32i, [0] * 8)
         for j in range(8):
             vals = ir.Constant(ir.VectorType(_I32, 8), ir.Undefined)
@@ -593,8 +598,7 @@ def _dot_q6_k_avx2(typingctx, w, o, x, xo):
     def codegen(context, builder, sig, args):
         v8 = ir.VectorType(_I8, 32)
         v16 = ir.VectorType(_I16, 16)
-        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
-        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [v16, v16])
+        mub, mw = _madds(builder)
         wb = _base(context, builder, sig.args[0], args[0], args[1])
         xb = _base(context, builder, sig.args[2], args[2], args[3])
         sc = builder.sext(_ld(builder, wb, 192, 16), v16)
@@ -651,8 +655,7 @@ def _blk_k4(hbits: bool):
         def codegen(context, builder, sig, args):
             v8 = ir.VectorType(_I8, 32)
             v16 = ir.VectorType(_I16, 16)
-            mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
-            mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [v16, v16])
+            mub, mw = _madds(builder)
             wb = _base(context, builder, sig.args[0], args[0], args[1])
             xb = _base(context, builder, sig.args[2], args[2], args[3])
             sm = _scales_mins_k4(builder, wb)
@@ -753,8 +756,7 @@ def _dot_iq2_xs_avx2(typingctx, w, o, grid, x, xo):
         base = _base(context, builder, sig.args[0], args[0], args[1])
         xb = _base(context, builder, sig.args[3], args[3], args[4])
         gdata = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data, _I64.as_pointer())
-        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", v32i, [v16, v16])
-        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
+        mub, mw = _madds(builder)
         # the 32 sign bytes: low byte of each 16-bit lane of KSIGNS[q >> 9]
         halves = []
         for i in range(2):
@@ -795,8 +797,7 @@ def _dot_iq3_xxs_avx2(typingctx, w, o, grid, x, xo):
         base = _base(context, builder, sig.args[0], args[0], args[1])
         xb = _base(context, builder, sig.args[3], args[3], args[4])
         gdata = builder.bitcast(context.make_array(sig.args[2])(context, builder, args[2]).data, _I32.as_pointer())
-        mw = _fn(builder, "llvm.x86.avx2.pmadd.wd", v32i, [v16, v16])
-        mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8, v8])
+        mub, mw = _madds(builder)
         aux = builder.bitcast(_ld(builder, base, 66, 32), v32i)
         words = ir.Constant(v32i, [0] * 8)
         for l in range(4):
