@@ -227,7 +227,7 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
     speeds = []
     st0 = eng.cache.stats
     h0, r0, s0, a0, host0 = st0.hits, st0.requests, st0.steps, st0.admissions, st0.host_seconds
-    launch0 = eng.stats.launch_seconds
+    launch0, replay0, bnd0 = eng.stats.launch_seconds, eng.stats.replay_seconds, st0.boundary_seconds
     sp = eng.split
     cpu0, busy0 = (sp.cpu_experts, sp.busy_seconds) if sp is not None else (0, 0.0)
     mem0 = torch.cuda.memory_allocated()
@@ -245,6 +245,9 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
                admissions_per_token=(st.admissions - a0) / max(1, steps),
                host_policy_ms_per_token=(st.host_seconds - host0) / max(1, steps) * 1e3,
                host_launch_ms_per_token=(eng.stats.launch_seconds - launch0) / max(1, steps) * 1e3,
+               host_boundary_ms_per_token=(st.boundary_seconds - bnd0) / max(1, steps) * 1e3,
+               host_replay_ms_per_token=(eng.stats.replay_seconds - replay0) / max(1, steps) * 1e3,
+               cuda_calls=getattr(getattr(eng.cache, "calls", None), "name", None),
                cache_bytes=eng.cache.budget_used, slots=sum(eng.cache.slots_per_layer.values()),
                gpu_allocated=torch.cuda.memory_allocated(), gpu_allocated_before=mem0,
                miss_split=miss_split, cpu_share=(sp.share / 256 if sp is not None else 0.0),
@@ -522,7 +525,9 @@ def main(argv=None) -> int:
                   f"{f['cpu_kernels']} kernels): {f['tok_s']:.1f} tok/s, hit rate {f['hit_rate']:.3f}, "
                   f"{f['misses_per_token']:.1f} misses/token ({f['cpu_misses_per_token']:.1f} on the CPU, "
                   f"{f['cpu_busy_ms_per_token']:.2f} ms/token CPU busy), host {f['host_policy_ms_per_token']:.3f} "
-                  f"ms/token policy + {f['host_launch_ms_per_token']:.3f} launch", flush=True)
+                  f"ms/token policy ({f['host_boundary_ms_per_token']:.3f} at boundaries) + "
+                  f"{f['host_launch_ms_per_token']:.3f} launch ({f['host_replay_ms_per_token']:.3f} replays; "
+                  f"{f['cuda_calls']} calls)", flush=True)
             if "upstream_tok_s" in row:
                 f["ratio"] = f["tok_s"] / row["upstream_tok_s"]
                 print(f"[{routing}] ratio FLE (misses {split}) / upstream = {f['ratio']:.2f}", flush=True)

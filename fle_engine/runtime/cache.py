@@ -38,6 +38,7 @@ from fle_quant.errors import FleError
 from .. import cached_moe
 from ..expert_cache import BatchedCache, CachePolicy, plan_slots
 from ..kernels import engine_ops
+from . import cudacalls
 from .weights import ExpertLayout, HostExperts, _align
 
 __all__ = ["ExpertCache", "CacheStats"]
@@ -46,6 +47,7 @@ __all__ = ["ExpertCache", "CacheStats"]
 @dataclass
 class CacheStats(cached_moe.CacheStats):
     host_seconds: float = 0.0          # policy + boundary work on the host
+    boundary_seconds: float = 0.0      # of which applying decisions at step boundaries (map, copies, events)
 
     def misses_per_step(self) -> float:
         return (self.requests - self.hits) / self.steps if self.steps else 0.0
@@ -88,10 +90,13 @@ class ExpertCache:
         self._in_flight: list[tuple[int, int, int]] = []
         self._copy_event = None
         if self.cuda:
+            self.calls = cudacalls.pick(device)       # the runtime's own calls between steps (host time)
             self.copy_stream = torch.cuda.Stream(device)
             self._staging = [torch.empty_like(self.map, device="cpu").pin_memory() for _ in range(4)]
-            self._staging_events = [None] * 4
+            self._staging_events = [self.calls.event() for _ in range(4)]
             self._next_staging = 0
+            self._mark = self.calls.event()
+            self._copied = self.calls.event()
 
     # addresses for the kernels ------------------------------------------------
     def slot_view(self, l: int) -> Tensor:
@@ -174,9 +179,10 @@ class ExpertCache:
         except for a staging buffer four boundaries old."""
         t0 = time.perf_counter()
         changed = False
+        main = torch.cuda.current_stream(self.device) if self.cuda else None
         if self._in_flight:
             if self.cuda and self._copy_event is not None:
-                torch.cuda.current_stream(self.device).wait_event(self._copy_event)
+                self.calls.wait(main, self._copy_event)
             for li, e, s in self._in_flight:
                 if self.policy.slot_of[li, e] == s and self.expert_in[li][s] == e:
                     self.mirror[li, e] = s
@@ -193,44 +199,41 @@ class ExpertCache:
                 new.append((li, e, s))
         self._pending = []
         if changed:
-            self._write_map()
+            self._write_map(main)
         if new:
             self.stats.admissions += len(new)
-            self._copy(new)
+            self._copy(new, main)
             self._in_flight = new
-        self.stats.host_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.host_seconds += dt
+        self.stats.boundary_seconds += dt
 
-    def _write_map(self) -> None:
+    def _write_map(self, main=None) -> None:
         if not self.cuda:
             self.map.copy_(torch.from_numpy(self.mirror))
             return
         i = self._next_staging
         self._next_staging = (i + 1) % len(self._staging)
-        ev = self._staging_events[i]
-        if ev is not None:
-            ev.synchronize()
+        c, ev = self.calls, self._staging_events[i]
+        c.synchronize(ev)                       # the copy out of this staging buffer, four writes ago, is done
         self._staging[i].numpy()[...] = self.mirror
-        self.map.copy_(self._staging[i], non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        self._staging_events[i] = ev
+        c.copy(self.map, self._staging[i], main)
+        c.record(ev, main)
 
-    def _copy(self, new: list[tuple[int, int, int]]) -> None:
+    def _copy(self, new: list[tuple[int, int, int]], main=None) -> None:
         if not self.cuda:
             for li, e, s in new:
                 l = self.layers[li]
                 self._slot2d[l][s].copy_(self._host2d[l][e])
             return
-        mark = torch.cuda.Event()
-        mark.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(mark)
-            for li, e, s in new:
-                l = self.layers[li]
-                self._slot2d[l][s].copy_(self._host2d[l][e], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.copy_stream)
-        self._copy_event = ev
+        c, cs = self.calls, self.copy_stream
+        c.record(self._mark, main)              # the map without the victims is written before their slots are
+        c.wait(cs, self._mark)
+        for li, e, s in new:
+            l = self.layers[li]
+            c.copy(self._slot2d[l][s], self._host2d[l][e], cs)
+        c.record(self._copied, cs)              # the next boundary's wait is made before this is recorded again
+        self._copy_event = self._copied
 
     def profile_counts(self) -> dict[int, np.ndarray]:
         c = self.policy.counts

@@ -88,6 +88,7 @@ class RunStats:
     gen_tokens: int = 0
     gen_seconds: float = 0.0
     launch_seconds: float = 0.0
+    replay_seconds: float = 0.0        # of which the graph replays (or eager steps) themselves
 
     def summary(self, cache) -> str:
         st = cache.stats
@@ -98,7 +99,8 @@ class RunStats:
                 f"eval: {self.gen_tokens} tokens, {self.gen_seconds * 1e3:.1f} ms ({g_tps:.2f} tok/s) | "
                 f"expert cache: hit rate {st.hit_rate:.3f}, {st.misses_per_step():.1f} misses/token, "
                 f"{st.admissions} admissions | host time {st.host_seconds / steps * 1e3:.3f} ms/token policy, "
-                f"{self.launch_seconds / steps * 1e3:.3f} ms/token launches")
+                f"{self.launch_seconds / steps * 1e3:.3f} ms/token launches "
+                f"({self.replay_seconds / steps * 1e3:.3f} of them graph replays)")
 
 
 class Engine:
@@ -356,8 +358,10 @@ class Engine:
         self._ring_ids = [mk(a.n_layer, a.n_expert_used, dt=torch.int32) for _ in range(_RING)]
         self._ring_hits = [mk(a.n_layer, a.n_expert_used, dt=torch.int32) for _ in range(_RING)]
         self._ring_tok = [mk(1, dt=torch.int64) for _ in range(_RING)]
-        self._ring_ev = [None] * _RING
+        self._ring_ev = [self.cache.calls.event() for _ in range(_RING)] if self.cuda else [None] * _RING
         self._tok_in = mk(_RING, dt=torch.int64)
+        self._tok_np = self._tok_in.numpy()                      # written by the host, read by copies
+        self._tok_rows = [self._tok_in[i:i + 1] for i in range(_RING)]
         self.launched = self.consumed = 0
 
     def _capture(self) -> None:
@@ -425,23 +429,27 @@ class Engine:
         self.cache.boundary()
         t0 = time.perf_counter()
         i = self.launched % _RING
+        if self.cuda:
+            c, main = self.cache.calls, torch.cuda.current_stream(self.device)
         if token is not None:
-            ev = self._ring_ev[i]
-            if ev is not None:
-                ev.synchronize()
-            self._tok_in[i] = token
-            st.tok.copy_(self._tok_in[i:i + 1], non_blocking=True)
+            if self.cuda:
+                c.synchronize(self._ring_ev[i])     # the copy out of this ring entry, _RING steps ago, is done
+                self._tok_np[i] = token
+                c.copy(st.tok, self._tok_rows[i], main)
+            else:
+                self._tok_np[i] = token
+                st.tok.copy_(self._tok_rows[i])
         # a step fed on the device takes the previous step's output: known once that step is read (else None,
         # filled in then)
         self.history.append(self._last_tok if token is None and self.consumed == self.launched else token)
+        t1 = time.perf_counter()
         self._run_one()
+        self.stats.replay_seconds += time.perf_counter() - t1
         if self.cuda:
-            self._ring_ids[i].copy_(st.ids_log, non_blocking=True)
-            self._ring_hits[i].copy_(st.hit_log, non_blocking=True)
-            self._ring_tok[i].copy_(st.tok, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            self._ring_ev[i] = ev
+            c.copy(self._ring_ids[i], st.ids_log, main)
+            c.copy(self._ring_hits[i], st.hit_log, main)
+            c.copy(self._ring_tok[i], st.tok, main)
+            c.record(self._ring_ev[i], main)
         else:
             self._ring_ids[i].copy_(st.ids_log)
             self._ring_hits[i].copy_(st.hit_log)
@@ -462,7 +470,7 @@ class Engine:
     def _consume(self) -> int:
         i = self.consumed % _RING
         if self.cuda:
-            self._ring_ev[i].synchronize()
+            self.cache.calls.synchronize(self._ring_ev[i])
         hits = self._ring_hits[i].numpy()
         self.cache.observe(self._ring_ids[i].numpy(), hits)
         self.step_hits.append(int(hits.sum()))
