@@ -91,6 +91,9 @@ class ExpertCache:
         self._copy_event = None
         if self.cuda:
             self.calls = cudacalls.pick(device)       # the runtime's own calls between steps (host time)
+            # the stream the steps run on: the device's default stream, in any thread (the engine never
+            # replays a step under another stream)
+            self.main = torch.cuda.current_stream(device)
             self.copy_stream = torch.cuda.Stream(device)
             self._staging = [torch.empty_like(self.map, device="cpu").pin_memory() for _ in range(4)]
             self._staging_events = [self.calls.event() for _ in range(4)]
@@ -179,7 +182,7 @@ class ExpertCache:
         except for a staging buffer four boundaries old."""
         t0 = time.perf_counter()
         changed = False
-        main = torch.cuda.current_stream(self.device) if self.cuda else None
+        main = self.main if self.cuda else None
         if self._in_flight:
             if self.cuda and self._copy_event is not None:
                 self.calls.wait(main, self._copy_event)
@@ -229,9 +232,14 @@ class ExpertCache:
         c, cs = self.calls, self.copy_stream
         c.record(self._mark, main)              # the map without the victims is written before their slots are
         c.wait(cs, self._mark)
+        by_layer: dict[int, tuple[list, list]] = {}
         for li, e, s in new:
+            rows = by_layer.setdefault(li, ([], []))
+            rows[0].append(s)
+            rows[1].append(e)
+        for li, (slots, experts) in by_layer.items():
             l = self.layers[li]
-            c.copy(self._slot2d[l][s], self._host2d[l][e], cs)
+            c.copy_rows(self._slot2d[l], slots, self._host2d[l], experts, cs)
         c.record(self._copied, cs)              # the next boundary's wait is made before this is recorded again
         self._copy_event = self._copied
 

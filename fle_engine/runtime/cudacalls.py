@@ -69,6 +69,11 @@ class Torch:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
 
+    def copy_rows(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows, stream) -> None:
+        with torch.cuda.stream(stream):
+            for d, s in zip(dst_rows, src_rows):
+                dst[d].copy_(src[s], non_blocking=True)
+
 
 class Direct:
     """The calls straight to the process's CUDA runtime (see the module
@@ -124,6 +129,20 @@ class Direct:
             raise ValueError("internal: a direct copy takes two contiguous tensors of the same size")
         self._check(self._memcpy(dst.data_ptr(), src.data_ptr(), n, _DEFAULT, stream.cuda_stream),
                     "cudaMemcpyAsync")
+
+    def copy_rows(self, dst: torch.Tensor, dst_rows, src: torch.Tensor, src_rows, stream) -> None:
+        """Row ``dst_rows[i]`` of the 2-D ``dst`` from row ``src_rows[i]`` of
+        ``src`` (rows contiguous, of one size), each one copy."""
+        n = dst.shape[1] * dst.element_size()
+        if src.shape[1] * src.element_size() != n or dst.stride(1) != 1 or src.stride(1) != 1:
+            raise ValueError("internal: row copies take rows of one size, contiguous")
+        db, ds = dst.data_ptr(), dst.stride(0) * dst.element_size()
+        sb, ss = src.data_ptr(), src.stride(0) * src.element_size()
+        h, mc = stream.cuda_stream, self._memcpy
+        for d, s in zip(dst_rows, src_rows):
+            rc = mc(db + d * ds, sb + s * ss, n, _DEFAULT, h)
+            if rc:
+                self._check(rc, "cudaMemcpyAsync")
 
 
 def pick(device: torch.device):

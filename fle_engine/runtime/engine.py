@@ -103,6 +103,19 @@ class RunStats:
                 f"({self.replay_seconds / steps * 1e3:.3f} of them graph replays)")
 
 
+def _out_views(buf: torch.Tensor, n_layer: int, k: int):
+    """(ids [L, K] int32, hits [L, K] int32, token [1] int64) as views of
+    the int32 buffer ``buf`` of ``2 * L * K + 2`` values (the token's offset
+    is even: 8-byte aligned)."""
+    n = n_layer * k
+    return buf[:n].view(n_layer, k), buf[n:2 * n].view(n_layer, k), buf[2 * n:2 * n + 2].view(torch.int64)
+
+
+def _out_log(n_layer: int, k: int, device) -> tuple:
+    buf = torch.zeros(2 * n_layer * k + 2, dtype=torch.int32, device=device)
+    return buf, _out_views(buf, n_layer, k)
+
+
 class Engine:
     runtime = True              # what the server asks to tell the engine from the reference Model
 
@@ -156,10 +169,9 @@ class Engine:
                            f"GiB of GPU memory, more than is free; lower --ctx-size") from None
         cos, sin = rope_table(a.n_rot, a.rope_base, self.ctx_size, a.rope_freq_scale)
         st.rope_cos, st.rope_sin = torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device)
-        st.tok = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # what a step gives the host, in one buffer (one copy per step): routed ids, hit flags, the next token
+        st.out_log, (st.ids_log, st.hit_log, st.tok) = _out_log(a.n_layer, a.n_expert_used, self.device)
         st.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
-        st.ids_log = torch.zeros(a.n_layer, a.n_expert_used, dtype=torch.int32, device=self.device)
-        st.hit_log = torch.zeros(a.n_layer, a.n_expert_used, dtype=torch.int32, device=self.device)
         st.serial = torch.zeros(1, dtype=torch.int64, device=self.device)      # steps run (runtime.split)
         st.split = None
         self.net.alloc(st)
@@ -355,9 +367,10 @@ class Engine:
     def _rings(self) -> None:
         a = self.args
         mk = self._host
-        self._ring_ids = [mk(a.n_layer, a.n_expert_used, dt=torch.int32) for _ in range(_RING)]
-        self._ring_hits = [mk(a.n_layer, a.n_expert_used, dt=torch.int32) for _ in range(_RING)]
-        self._ring_tok = [mk(1, dt=torch.int64) for _ in range(_RING)]
+        self._ring_out = [mk(self.state.out_log.numel(), dt=torch.int32) for _ in range(_RING)]
+        views = [_out_views(r, a.n_layer, a.n_expert_used) for r in self._ring_out]
+        # the host reads them through numpy views made once
+        self._ring_ids, self._ring_hits, self._ring_tok = ([v[j].numpy() for v in views] for j in range(3))
         self._ring_ev = [self.cache.calls.event() for _ in range(_RING)] if self.cuda else [None] * _RING
         self._tok_in = mk(_RING, dt=torch.int64)
         self._tok_np = self._tok_in.numpy()                      # written by the host, read by copies
@@ -430,7 +443,7 @@ class Engine:
         t0 = time.perf_counter()
         i = self.launched % _RING
         if self.cuda:
-            c, main = self.cache.calls, torch.cuda.current_stream(self.device)
+            c, main = self.cache.calls, self.cache.main
         if token is not None:
             if self.cuda:
                 c.synchronize(self._ring_ev[i])     # the copy out of this ring entry, _RING steps ago, is done
@@ -446,14 +459,10 @@ class Engine:
         self._run_one()
         self.stats.replay_seconds += time.perf_counter() - t1
         if self.cuda:
-            c.copy(self._ring_ids[i], st.ids_log, main)
-            c.copy(self._ring_hits[i], st.hit_log, main)
-            c.copy(self._ring_tok[i], st.tok, main)
+            c.copy(self._ring_out[i], st.out_log, main)
             c.record(self._ring_ev[i], main)
         else:
-            self._ring_ids[i].copy_(st.ids_log)
-            self._ring_hits[i].copy_(st.hit_log)
-            self._ring_tok[i].copy_(st.tok)
+            self._ring_out[i].copy_(st.out_log)
         self.launched += 1
         self.stats.launch_seconds += time.perf_counter() - t0
 
@@ -471,8 +480,8 @@ class Engine:
         i = self.consumed % _RING
         if self.cuda:
             self.cache.calls.synchronize(self._ring_ev[i])
-        hits = self._ring_hits[i].numpy()
-        self.cache.observe(self._ring_ids[i].numpy(), hits)
+        hits = self._ring_hits[i]
+        self.cache.observe(self._ring_ids[i], hits)
         self.step_hits.append(int(hits.sum()))
         if self.split is not None:
             self.split.check()
