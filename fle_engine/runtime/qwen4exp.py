@@ -142,10 +142,6 @@ class Net(qwen3next.Net):
         self.ple_table = None
         super().__init__(gguf, weights_view, device, fast)
 
-    def multi_unsupported(self) -> "str | None":
-        return (f"{self.args.arch}: a step of several tokens has no form yet for hyper-connections, the PLE rows "
-                f"and the QSA indexer (qwen3moe and qwen3next files have it)")
-
     # loading -----------------------------------------------------------------------
     def load_head(self) -> None:
         a, g = self.args, self.gguf
@@ -437,3 +433,207 @@ class Net(qwen3next.Net):
             nxt = self.layers[il + 1].hc_attn.norm if il + 1 < len(self.layers) else self.output_hc.norm
             ops.hc_write_norm(b.res, self.moe_parts(L.moe, state), b.hinj, s, nxt, a.eps, b.hxn)
         self.head(state, ops)
+
+    # the verify step: T tokens in one pass ---------------------------------------------
+    # The decode step's arithmetic on T rows: the S streams of every token, the HC reads and
+    # writes of all T in one launch each; PLE rows hashed for every token from the token
+    # history advanced inside the step; GDN layers token by token with per-token snapshots
+    # (qwen3next); QSA with each query position's own block set (the blocks complete at that
+    # position, so a block that completes inside the step counts for the tokens from its last
+    # position on, as in the reference's pass over a prompt); the MoE over T x K (qwen3moe).
+    # The indexer scores every block of the allocated context here (no length buckets: the step
+    # does not know the position on the host): the same choice, at a cost that follows the
+    # allocated context rather than the used length.
+    def alloc_multi(self, state, t_max: int) -> None:
+        """qwen3next's buffers plus the T rows of the streams and the HC
+        reads, the indexer's rows and block masks, and the PLE rows; the PLE
+        token history and conv history followed by the step's T tokens and
+        values (``ple_seq``, ``ple_full``: what a rewind restores from)."""
+        super().alloc_multi(state, t_max)
+        a, m, b = self.args, state.multi, state.bufs
+        f32 = dict(dtype=torch.float32, device=self.device)
+        s, d = a.hc, a.n_embd
+        m.res = torch.zeros(t_max, s, d, **f32)
+        m.hxn = torch.zeros(t_max, s, d, **f32)
+        m.hlo = torch.zeros(t_max, a.hc_rank, **f32)
+        m.hact = torch.zeros(t_max, a.hc_rank, **f32)
+        m.hg = torch.zeros(t_max, s * d, **f32)
+        m.hinj = torch.zeros(t_max, s, **f32)
+        m.steps = torch.arange(t_max, device=self.device)          # the tokens' offsets from pos
+        if self._indexed:
+            m.iqk = torch.zeros(t_max, (a.idx_heads + 1) * a.idx_dim, **f32)
+            m.keep = torch.zeros(t_max, b.keep.shape[0], dtype=torch.int32, device=self.device)
+        if b.ple_tok is not None:
+            m.ple_seq = torch.zeros(a.ple_ngram - 1 + t_max, dtype=torch.int64, device=self.device)
+            m.ple_full = torch.zeros(a.ple_hist + t_max, s * d, **f32)
+            m.ple_rows = torch.zeros(t_max * a.ple_heads, dtype=torch.int64, device=self.device)
+            m.ple_emb = torch.zeros(t_max, d, **f32)
+            m.ple_kv = torch.zeros(t_max, s * d + d, **f32)
+
+    def hc_read_multi(self, hc: HC, state, ops, n: int) -> None:
+        """:meth:`hc_read` of T tokens: m.hxn[:T] -> m.xn[:T] and m.hinj[:T]."""
+        m, impl, s = state.multi, self.impl(state), self.args.hc
+        flat = m.hxn[:n].view(n, -1)
+        hc.down.matvec(flat, m.hlo[:n], impl)
+        if hc.inject is not None:
+            hc.inject.matvec(flat, m.hinj[:n], impl)
+        torch.mul(m.hlo[:n], 1.0 / s, out=m.hact[:n])
+        F.silu(m.hact[:n], inplace=True)
+        hc.up.matvec(m.hact[:n], m.hg[:n], impl)
+        ops.hc_mix(m.hxn[:n], m.hg[:n], m.xn[:n])
+
+    def attend_multi(self, at, il: int, state, ops, n: int) -> None:
+        """m.q[:T] -> m.o[:T]; on a QSA layer the indexer's raw keys of the T
+        positions written, the blocks holding them refreshed, and each query
+        position's block set chosen among the blocks complete at it."""
+        mx = self.layers[il].mixer
+        if not isinstance(mx, QSA):
+            return super().attend_multi(at, il, state, ops, n)
+        a, m = self.args, state.multi
+        impl = self.impl(state)
+        hi, di, r = a.idx_heads, a.idx_dim, mx.ratio
+        xn, iqk = m.xn[:n], m.iqk[:n]
+        if mx.iqk is not None:
+            mx.iqk.matvec(xn, iqk, impl)
+        else:
+            mx.parts[0].matvec(xn, iqk[:, :hi * di], impl)
+            mx.parts[1].matvec(xn, iqk[:, hi * di:], impl)
+        kc, vc, raw, kb = state.kv[il]
+        positions = state.pos + m.steps[:n]                                   # [T]
+        raw.index_copy_(0, positions, iqk[:, hi * di:].to(raw.dtype))
+        # the blocks holding the T positions (a repeated block gets the same key twice)
+        blk = torch.div(positions, r, rounding_mode="floor")
+        pooled = Lr.rms_norm(raw.view(-1, r, di).index_select(0, blk).float().mean(1), mx.k_norm, a.eps)
+        start = blk * r
+        kb.index_copy_(0, blk, Lr.apply_rope_neox(pooled[:, None], state.rope_cos.index_select(0, start),
+                                                  state.rope_sin.index_select(0, start))[:, 0])
+        q = Lr.rms_norm(iqk[:, :hi * di].view(n, hi, di), mx.q_norm, a.eps)
+        q = Lr.apply_rope_neox(q, state.rope_cos.index_select(0, positions), state.rope_sin.index_select(0, positions))
+        nb = kb.shape[0]
+        # the decode step's product per query ([NB, Hi] summed over heads), for T queries at once
+        score = torch.relu(kb @ q.reshape(n * hi, di).T).view(nb, n, hi).sum(-1).T        # [T, NB]
+        complete = torch.div(positions + 1, r, rounding_mode="floor")                     # blocks complete at each
+        tail = state.bufs.blocks[None, :nb] >= complete[:, None]
+        score = score.masked_fill(tail, float("-inf"))
+        top, which = torch.sort(score, dim=-1, descending=True, stable=True)
+        k = min(mx.n_kept, nb)
+        chosen = torch.zeros_like(tail).scatter(1, which[:, :k], top[:, :k] > float("-inf"))
+        keep = m.keep[:n]
+        torch.bitwise_or(chosen, tail, out=keep)
+        ops.attention_multi(m.q[:n], kc, vc, state.pos, a.attn_scale, m.o[:n], m.partial, m.ml, keep=keep, ratio=r)
+
+    def mix_multi(self, L: Layer, il: int, state, ops, n: int) -> None:
+        if isinstance(L.mixer, qwen3next.GDN):
+            self.gdn_multi(L.mixer, il, state, ops, n)
+        else:
+            self.attention_multi(L.mixer.attn if isinstance(L.mixer, QSA) else L.mixer, il, state, ops, n)
+
+    def ple_rows_multi(self, p: PLE, state, n: int) -> None:
+        """The table rows of the T tokens' n-grams -> m.ple_rows[:T * heads]
+        (token after token); the token history advanced by the T tokens,
+        the history before them followed by them kept in m.ple_seq."""
+        a, b, m = self.args, state.bufs, state.multi
+        g, eos = a.ple_ngram, a.ple_eos
+        seq = m.ple_seq[:g - 1 + n]
+        torch.cat([b.ple_tok, state.toks[:n]], out=seq)                    # oldest first
+        ctx = [seq[g - 1:] * p.mult[0]]
+        cut = torch.zeros(n, dtype=torch.bool, device=seq.device)
+        for j in range(1, g):                                               # predecessor j positions back
+            prev = seq[g - 1 - j:g - 1 - j + n]
+            cut = cut | (prev == eos)                                       # an EOS at or after it cuts
+            ctx.append(torch.where(cut, torch.full_like(prev, eos), prev) * p.mult[j])
+        mixed = [ctx[0]]
+        for j in range(1, g):
+            mixed.append(torch.bitwise_xor(mixed[-1], ctx[j]))
+        per = a.ple_heads_per_ngram
+        hashes = torch.stack(mixed[1:], 1)[:, :, None].expand(n, g - 1, per).reshape(n, -1)  # bigram heads first
+        torch.add(torch.remainder(hashes, p.sizes), p.offsets, out=m.ple_rows[:n * a.ple_heads].view(n, -1))
+        b.ple_tok.copy_(seq[n:])
+
+    def ple_multi(self, p: PLE, state, ops, n: int) -> None:
+        """:meth:`ple` of T tokens: m.res[:T] += gated + silu(conv), the
+        conv's history advanced by T values (the history before them followed
+        by them kept in m.ple_full)."""
+        a, b, m = self.args, state.bufs, state.multi
+        impl, s, d = self.impl(state), a.hc, a.n_embd
+        self.ple_rows_multi(p, state, n)
+        rows, emb, kv = m.ple_rows[:n * a.ple_heads], m.ple_emb[:n], m.ple_kv[:n]
+        t = self.ple_table
+        if state.fast:
+            ops.gather_rows(t.anchor, t.qtype, t.delta, rows, emb.view(-1))
+        else:
+            ops.gather_rows(t.host, t.qtype, 0, rows, emb.view(-1))
+        if p.kv is not None:
+            p.kv.matvec(emb, kv, impl)
+        else:
+            p.parts[0].matvec(emb, kv[:, :s * d], impl)
+            p.parts[1].matvec(emb, kv[:, s * d:], impl)
+        res = m.res[:n]
+        key = Lr.rms_norm(kv[:, :s * d].view(n, s, d), p.norm_key, a.eps)
+        query = Lr.rms_norm(res, p.norm_query, a.eps)
+        score = (key * query).sum(-1, keepdim=True) / math.sqrt(d)          # [T, S, 1]
+        gate = torch.sigmoid(torch.sign(score) * score.abs().clamp(min=1e-6).sqrt())
+        gated = kv[:, None, s * d:] * gate                                  # [T, S, D]
+        normed = Lr.rms_norm(gated, p.norm_conv, a.eps).view(n, s * d)
+        n_hist, k_taps, dil = a.ple_hist, a.ple_conv_kernel, a.ple_ngram
+        full = m.ple_full[:n_hist + n]
+        torch.cat([b.ple_hist, normed], 0, out=full)
+        y = full[n_hist:n_hist + n] * p.conv[:, k_taps - 1]
+        for k in range(k_taps - 1):
+            at = n_hist - (k_taps - 1 - k) * dil
+            y = y + full[at:at + n] * p.conv[:, k]
+        b.ple_hist.copy_(full[n:n + n_hist])
+        res.add_(gated + F.silu(y).view(n, s, d))
+
+    def step_multi(self, state, ops, cache, n: int) -> None:
+        """T = ``n`` tokens in one pass (see :meth:`qwen3moe.Net.step_multi`):
+        token t's logits equal those of a one-token step at position
+        pos + t fed the same tokens; the wide residual of every token after
+        the last layer is left in ``state.multi.res[:T]``."""
+        a, m = self.args, state.multi
+        s = a.hc
+        self.embed_multi(state, ops, n)
+        res, hxn, hinj = m.res[:n], m.hxn[:n], m.hinj[:n]
+        res.copy_(m.x[:n, None].expand_as(res))                               # S copies of each embedding
+        ops.hc_write_norm(res, None, None, s, self.layers[0].hc_attn.norm, a.eps, hxn)
+        for il, L in enumerate(self.layers):
+            if L.ple is not None:
+                self.ple_multi(L.ple, state, ops, n)
+                ops.hc_write_norm(res, None, None, s, L.hc_attn.norm, a.eps, hxn)
+            self.hc_read_multi(L.hc_attn, state, ops, n)
+            self.mix_multi(L, il, state, ops, n)
+            ops.hc_write_norm(res, m.attn_out[:n], hinj, s, L.hc_ffn.norm, a.eps, hxn)
+            self.hc_read_multi(L.hc_ffn, state, ops, n)
+            self.moe_multi(L.moe, il, state, ops, cache, n)
+            nxt = self.layers[il + 1].hc_attn.norm if il + 1 < len(self.layers) else self.output_hc.norm
+            ops.hc_write_norm(res, self.multi_parts(L.moe, state, n), hinj, s, nxt, a.eps, hxn)
+        self.hc_read_multi(self.output_hc, state, ops, n)
+        self.output.matvec(m.xn[:n], m.logits[:n], self.impl(state))
+        torch.argmax(m.logits[:n], dim=-1, out=state.next_toks[:n])
+        state.pos.add_(n)
+
+    # recurrent state: GDN (qwen3next) and the PLE token and conv histories -----------------
+    def restore_multi(self, state, t: int) -> None:
+        """GDN states from their snapshots; the PLE histories as they were
+        after token ``t`` of the last verify step: windows of the history
+        before the step followed by its tokens (values)."""
+        super().restore_multi(state, t)
+        b, m, a = state.bufs, state.multi, self.args
+        if b.ple_tok is not None:
+            b.ple_tok.copy_(m.ple_seq[t + 1:t + a.ple_ngram])
+            b.ple_hist.copy_(m.ple_full[t + 1:t + 1 + a.ple_hist])
+
+    def recurrent_backup(self, state) -> list:
+        out = super().recurrent_backup(state)
+        b = state.bufs
+        if b.ple_tok is not None:
+            out.append((None, b.ple_tok.clone(), b.ple_hist.clone()))
+        return out
+
+    def recurrent_restore(self, state, backup: list) -> None:
+        super().recurrent_restore(state, [e for e in backup if e[0] is not None])
+        b = state.bufs
+        for il, tok, hist in backup:
+            if il is None:
+                b.ple_tok.copy_(tok)
+                b.ple_hist.copy_(hist)
