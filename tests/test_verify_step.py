@@ -640,6 +640,37 @@ def test_verify_graphs_captured_and_equal_to_eager(model_file):
     eager.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_q4_verify_graphs_captured_and_equal_to_eager(q4_file):
+    """qwen4exp with CUDA: every T in 2..4 captured as its own graph past the
+    indexer's start (the capture's eager runs put the GDN states and PLE
+    histories back), tokens and logits equal to the eager step's and, after
+    rewinds, to one-token steps; step_cost leaves the sequence as it was."""
+    eng, eager = _engine(q4_file), _engine(q4_file, graphs=False)
+    assert eng._graph is not None and eager._graph is None
+    prompt = _long(21)
+    for e in (eng, eager):
+        e.generate(prompt, 1)
+    for n_tok in (2, 3, 4):
+        feed = [3] + DRAFTS[:n_tok - 1]
+        assert eng.verify_step(feed) == eager.verify_step(feed)
+        _close(eng.state.multi.logits[:n_tok].cpu(), eager.state.multi.logits[:n_tok].cpu(), 1e-4)
+        eng.rewind(n_tok - 1)
+        eager.rewind(n_tok - 1)
+    assert sorted(eng._multi_graphs) == [2, 3, 4]
+    cost = eng.step_cost(4, reps=3)
+    assert cost["seconds"] > 0 and eng.launched == len(prompt) + 3
+    ones = _engine(q4_file)
+    ones.generate(prompt + [3, 3, 3], 1)
+    feed = [7] + DRAFTS
+    want, want_logits = _single_steps(ones, feed)
+    assert eng.verify_step(feed) == want
+    _close(eng.state.multi.logits[:4].cpu(), want_logits, 1e-4)
+    for e in (eng, eager, ones):
+        e.close()
+
+
 def test_bench_script_smoke(model_file, tmp_path):
     """bench/verify_step.py on the factory model with the reference side
     (the times mean nothing here): one row per n = 0..3, the modelled rate
