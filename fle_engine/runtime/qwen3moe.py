@@ -382,7 +382,10 @@ class Net:
         vv = vv.to(dt).repeat_interleave(group, dim=0)[None]
         qh = q.transpose(0, 1).to(dt)[None]                                  # [1, H, T, Dh]
         scale = getattr(a, "attn_scale", hd ** -0.5)
-        if pos0 == 0:
+        keep = self.prefill_keep(il, xn, pos0, state, ops)
+        if keep is not None:
+            o = F.scaled_dot_product_attention(qh, kk, vv, attn_mask=keep, scale=scale)
+        elif pos0 == 0:
             o = F.scaled_dot_product_attention(qh, kk, vv, is_causal=True, scale=scale)
         else:
             mask = torch.arange(end, device=xn.device)[None, :] <= (pos0 + torch.arange(T, device=xn.device))[:, None]
@@ -391,6 +394,11 @@ class Net:
         if at.gated:
             o = o * torch.sigmoid(qkv[:, nq + 2 * nkv:2 * nq + 2 * nkv])
         dense_rows(at.wo, o.contiguous(), out, ops, state.prefill_dtype)
+
+    def prefill_keep(self, il: int, xn: Tensor, pos0: int, state, ops) -> "Tensor | None":
+        """The cells each of T tokens at pos0 .. may attend to, bool [T, pos0 + T]
+        (causal included), for sparse attention; None: causal (here)."""
+        return None
 
     def prefill_shared(self, m: Moe, xn: Tensor, buf, ops, dtype) -> None:
         """The shared expert of T tokens (gated when the layer has a gate) -> buf.shared [T, D]."""

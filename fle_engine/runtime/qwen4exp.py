@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, fields, is_dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -134,7 +135,7 @@ class HostTable(W.PageLocked):
 
 class Net(qwen3next.Net):
     Args = ModelArgs
-    supports_prefill = False    # hyper-connections, PLE and the QSA indexer have no many-token form yet
+    supports_prefill = True     # runtime.prefill through prefill_trunk (the S streams, PLE, the QSA indexer)
     gdn_sigmoid = True
     gdn_tiled = True            # V head j reads K head j mod Hk (the converter's order)
 
@@ -528,14 +529,14 @@ class Net(qwen3next.Net):
         else:
             self.attention_multi(L.mixer.attn if isinstance(L.mixer, QSA) else L.mixer, il, state, ops, n)
 
-    def ple_rows_multi(self, p: PLE, state, n: int) -> None:
-        """The table rows of the T tokens' n-grams -> m.ple_rows[:T * heads]
-        (token after token); the token history advanced by the T tokens,
-        the history before them followed by them kept in m.ple_seq."""
-        a, b, m = self.args, state.bufs, state.multi
-        g, eos = a.ple_ngram, a.ple_eos
-        seq = m.ple_seq[:g - 1 + n]
-        torch.cat([b.ple_tok, state.toks[:n]], out=seq)                    # oldest first
+    def ple_rows_tokens(self, p: PLE, state, toks: Tensor, seq: Tensor, rows: Tensor) -> None:
+        """The table rows of the T tokens ``toks``' n-grams -> ``rows``
+        [T * heads] (token after token); the token history advanced by the
+        T tokens, the history before them followed by them left in ``seq``
+        [ngram - 1 + T]."""
+        a, b = self.args, state.bufs
+        g, eos, n = a.ple_ngram, a.ple_eos, toks.shape[0]
+        torch.cat([b.ple_tok, toks], out=seq)                               # oldest first
         ctx = [seq[g - 1:] * p.mult[0]]
         cut = torch.zeros(n, dtype=torch.bool, device=seq.device)
         for j in range(1, g):                                               # predecessor j positions back
@@ -547,28 +548,34 @@ class Net(qwen3next.Net):
             mixed.append(torch.bitwise_xor(mixed[-1], ctx[j]))
         per = a.ple_heads_per_ngram
         hashes = torch.stack(mixed[1:], 1)[:, :, None].expand(n, g - 1, per).reshape(n, -1)  # bigram heads first
-        torch.add(torch.remainder(hashes, p.sizes), p.offsets, out=m.ple_rows[:n * a.ple_heads].view(n, -1))
+        torch.add(torch.remainder(hashes, p.sizes), p.offsets, out=rows.view(n, -1))
         b.ple_tok.copy_(seq[n:])
 
-    def ple_multi(self, p: PLE, state, ops, n: int) -> None:
-        """:meth:`ple` of T tokens: m.res[:T] += gated + silu(conv), the
-        conv's history advanced by T values (the history before them followed
-        by them kept in m.ple_full)."""
-        a, b, m = self.args, state.bufs, state.multi
-        impl, s, d = self.impl(state), a.hc, a.n_embd
-        self.ple_rows_multi(p, state, n)
-        rows, emb, kv = m.ple_rows[:n * a.ple_heads], m.ple_emb[:n], m.ple_kv[:n]
+    def ple_rows_multi(self, p: PLE, state, n: int) -> None:
+        """:meth:`ple_rows_tokens` of the verify step's T tokens, into m.ple_rows and m.ple_seq."""
+        m = state.multi
+        self.ple_rows_tokens(p, state, state.toks[:n], m.ple_seq[:self.args.ple_ngram - 1 + n],
+                             m.ple_rows[:n * self.args.ple_heads])
+
+    def ple_tokens(self, p: PLE, state, ops, res: Tensor, bufs, product) -> None:
+        """:meth:`ple` of T tokens: ``res`` [T, S, D] += gated + silu(conv),
+        the conv's history advanced by T values. ``bufs``: ``rows`` (filled,
+        int64 [T * heads]), ``emb`` [T, D], ``kv`` [T, S D + D] scratch, and
+        ``full`` [hist + T, S D], left holding the history before the T
+        values followed by them; ``product(matrix, x, out)``."""
+        a, b = self.args, state.bufs
+        s, d, n = a.hc, a.n_embd, res.shape[0]
+        rows, emb, kv = bufs.rows, bufs.emb, bufs.kv
         t = self.ple_table
         if state.fast:
             ops.gather_rows(t.anchor, t.qtype, t.delta, rows, emb.view(-1))
         else:
             ops.gather_rows(t.host, t.qtype, 0, rows, emb.view(-1))
         if p.kv is not None:
-            p.kv.matvec(emb, kv, impl)
+            product(p.kv, emb, kv)
         else:
-            p.parts[0].matvec(emb, kv[:, :s * d], impl)
-            p.parts[1].matvec(emb, kv[:, s * d:], impl)
-        res = m.res[:n]
+            product(p.parts[0], emb, kv[:, :s * d])
+            product(p.parts[1], emb, kv[:, s * d:])
         key = Lr.rms_norm(kv[:, :s * d].view(n, s, d), p.norm_key, a.eps)
         query = Lr.rms_norm(res, p.norm_query, a.eps)
         score = (key * query).sum(-1, keepdim=True) / math.sqrt(d)          # [T, S, 1]
@@ -576,7 +583,7 @@ class Net(qwen3next.Net):
         gated = kv[:, None, s * d:] * gate                                  # [T, S, D]
         normed = Lr.rms_norm(gated, p.norm_conv, a.eps).view(n, s * d)
         n_hist, k_taps, dil = a.ple_hist, a.ple_conv_kernel, a.ple_ngram
-        full = m.ple_full[:n_hist + n]
+        full = bufs.full
         torch.cat([b.ple_hist, normed], 0, out=full)
         y = full[n_hist:n_hist + n] * p.conv[:, k_taps - 1]
         for k in range(k_taps - 1):
@@ -584,6 +591,15 @@ class Net(qwen3next.Net):
             y = y + full[at:at + n] * p.conv[:, k]
         b.ple_hist.copy_(full[n:n + n_hist])
         res.add_(gated + F.silu(y).view(n, s, d))
+
+    def ple_multi(self, p: PLE, state, ops, n: int) -> None:
+        """:meth:`ple_tokens` of the verify step's T tokens on m.res[:T] (the
+        conv history before them followed by them kept in m.ple_full)."""
+        a, m, impl = self.args, state.multi, self.impl(state)
+        self.ple_rows_multi(p, state, n)
+        bufs = SimpleNamespace(rows=m.ple_rows[:n * a.ple_heads], emb=m.ple_emb[:n], kv=m.ple_kv[:n],
+                               full=m.ple_full[:a.ple_hist + n])
+        self.ple_tokens(p, state, ops, m.res[:n], bufs, lambda mat, x, out: mat.matvec(x, out, impl))
 
     def step_multi(self, state, ops, cache, n: int) -> None:
         """T = ``n`` tokens in one pass (see :meth:`qwen3moe.Net.step_multi`):
@@ -637,3 +653,104 @@ class Net(qwen3next.Net):
             if il is None:
                 b.ple_tok.copy_(tok)
                 b.ple_hist.copy_(hist)
+
+    # prefill (runtime.prefill): a micro-batch of many tokens --------------------------------
+    def prefill_hc_read(self, hc: HC, hxn: Tensor, state, ops) -> "tuple[Tensor, Tensor | None]":
+        """:meth:`hc_read` of T tokens' normed streams ``hxn`` [T, S, D] ->
+        (block input [T, D], raw inject logits [T, S] or None)."""
+        from .prefill import dense_rows
+
+        a, dt = self.args, state.prefill_dtype
+        n, s = hxn.shape[0], a.hc
+        f32 = dict(dtype=torch.float32, device=hxn.device)
+        flat = hxn.view(n, -1)
+        lo = dense_rows(hc.down, flat, torch.empty(n, a.hc_rank, **f32), ops, dt)
+        inj = None if hc.inject is None else dense_rows(hc.inject, flat, torch.empty(n, s, **f32), ops, dt)
+        act = F.silu(torch.mul(lo, 1.0 / s))
+        gate = dense_rows(hc.up, act, torch.empty(n, s * a.n_embd, **f32), ops, dt)
+        xn = torch.empty(n, a.n_embd, **f32)
+        ops.hc_mix(hxn, gate, xn)
+        return xn, inj
+
+    def prefill_trunk(self, tok: Tensor, pos0: int, state, ops, buf, moe) -> Tensor:
+        """The layers over a micro-batch of T tokens at pos0 .. pos0 + T - 1
+        (the decode step's order on T rows: PLE, HC reads and writes, the
+        mixer, ``moe(layer, il, xn, buf)`` for the routed and shared
+        experts); returns the head's input of the last token [1, D]."""
+        from .prefill import dense_rows
+
+        a, dt = self.args, state.prefill_dtype
+        n, s, d = tok.numel(), a.hc, a.n_embd
+        f32 = dict(dtype=torch.float32, device=tok.device)
+        x = self.prefill_embed(tok, ops)
+        res = x[:, None, :].expand(n, s, d).contiguous()                   # S copies of each embedding
+        hxn = torch.empty_like(res)
+        ops.hc_write_norm(res, None, None, s, self.layers[0].hc_attn.norm, a.eps, hxn)
+        for il, L in enumerate(self.layers):
+            if L.ple is not None:
+                g = a.ple_ngram
+                bufs = SimpleNamespace(rows=torch.empty(n * a.ple_heads, dtype=torch.int64, device=tok.device),
+                                       emb=torch.empty(n, d, **f32), kv=torch.empty(n, s * d + d, **f32),
+                                       full=torch.empty(a.ple_hist + n, s * d, **f32))
+                self.ple_rows_tokens(L.ple, state, tok,
+                                     torch.empty(g - 1 + n, dtype=torch.int64, device=tok.device), bufs.rows)
+                self.ple_tokens(L.ple, state, ops, res, bufs, lambda mat, xx, out: dense_rows(mat, xx, out, ops, dt))
+                ops.hc_write_norm(res, None, None, s, L.hc_attn.norm, a.eps, hxn)
+            xn, inj = self.prefill_hc_read(L.hc_attn, hxn, state, ops)
+            self.prefill_mixer(L, il, xn, buf.attn_out, pos0, state, ops)
+            ops.hc_write_norm(res, buf.attn_out.view(n, 1, d), inj, s, L.hc_ffn.norm, a.eps, hxn)
+            xn, inj = self.prefill_hc_read(L.hc_ffn, hxn, state, ops)
+            moe(L, il, xn, buf)
+            nxt = self.layers[il + 1].hc_attn.norm if il + 1 < len(self.layers) else self.output_hc.norm
+            ops.hc_write_norm(res, self.prefill_parts(L.moe, buf), inj, s, nxt, a.eps, hxn)
+        last, _ = self.prefill_hc_read(self.output_hc, hxn[-1:].contiguous(), state, ops)
+        return last
+
+    def prefill_mixer(self, L: Layer, il: int, xn: Tensor, out: Tensor, pos0: int, state, ops) -> None:
+        if isinstance(L.mixer, qwen3next.GDN):
+            self.prefill_gdn(L.mixer, il, xn, out, state, ops)
+        else:
+            self.prefill_attention(L.mixer.attn if isinstance(L.mixer, QSA) else L.mixer, il, xn, out, pos0, state,
+                                   ops)
+
+    def prefill_keep(self, il: int, xn: Tensor, pos0: int, state, ops) -> "Tensor | None":
+        """On a QSA layer: the indexer's raw keys of the T positions written,
+        the blocks holding them re-pooled, and each query's kept blocks (the
+        best complete ones at its position, plus its tail) as cells
+        [T, pos0 + T] within the causal mask; the decode step's arithmetic
+        per query."""
+        from .prefill import dense_rows
+
+        mx = self.layers[il].mixer
+        if not isinstance(mx, QSA):
+            return None
+        a, dt = self.args, state.prefill_dtype
+        hi, di, r = a.idx_heads, a.idx_dim, mx.ratio
+        n, dev = xn.shape[0], xn.device
+        end = pos0 + n
+        iqk = torch.empty(n, (hi + 1) * di, dtype=torch.float32, device=dev)
+        if mx.iqk is not None:
+            dense_rows(mx.iqk, xn, iqk, ops, dt)
+        else:
+            dense_rows(mx.parts[0], xn, iqk[:, :hi * di], ops, dt)
+            dense_rows(mx.parts[1], xn, iqk[:, hi * di:], ops, dt)
+        _, _, raw, kb = state.kv[il]
+        raw[pos0:end] = iqk[:, hi * di:].to(raw.dtype)
+        b0, b1 = pos0 // r, (end - 1) // r + 1                              # the blocks the T positions touch
+        pooled = Lr.rms_norm(raw.view(-1, r, di)[b0:b1].float().mean(1), mx.k_norm, a.eps)
+        starts = torch.arange(b0, b1, device=dev) * r
+        kb[b0:b1] = Lr.apply_rope_neox(pooled[:, None], state.rope_cos[starts], state.rope_sin[starts])[:, 0]
+        positions = torch.arange(pos0, end, device=dev)
+        q = Lr.rms_norm(iqk[:, :hi * di].view(n, hi, di), mx.q_norm, a.eps)
+        q = Lr.apply_rope_neox(q, state.rope_cos[pos0:end], state.rope_sin[pos0:end])
+        nb = b1                                                              # blocks past the last position: never
+        score = torch.relu(kb[:nb] @ q.reshape(n * hi, di).T).view(nb, n, hi).sum(-1).T       # [T, NB]
+        complete = torch.div(positions + 1, r, rounding_mode="floor")
+        tail = torch.arange(nb, device=dev)[None, :] >= complete[:, None]
+        score = score.masked_fill(tail, float("-inf"))
+        top, which = torch.sort(score, dim=-1, descending=True, stable=True)
+        k = min(mx.n_kept, nb)
+        chosen = torch.zeros_like(tail).scatter(1, which[:, :k], top[:, :k] > float("-inf"))
+        kept = chosen | tail
+        slots = torch.arange(end, device=dev)
+        return kept[:, slots // r] & (slots[None, :] <= positions[:, None])
