@@ -236,11 +236,67 @@ def test_qwen3next_prefill_equals_decode_steps(tmp_path):
     eng.close()
 
 
-def test_prefill_off_for_qwen4exp(tmp_path):
-    path = make_model(tmp_path / "q.gguf", "qwen4exp", seed=4, mix="release", routing_skew=1.0)
-    eng = Engine(path, device=DEVICE, cache_budget="auto", ctx_size=64, profile_path="none", progress=False,
-                 log=lambda m: None, prefill_min=1)
-    assert eng.prefill is None
+@pytest.fixture(scope="module")
+def q4_file(tmp_path_factory):
+    """qwen4exp: 3 GDN layers (one with PLE), a QSA layer keeping 4 blocks of
+    4 positions (from position 16 on blocks are dropped), 4 HC streams."""
+    return make_model(tmp_path_factory.mktemp("prefill_q4") / "q.gguf", "qwen4exp", seed=4, mix="release",
+                      routing_skew=1.0)
+
+
+def test_qwen4exp_prefill_equals_decode_steps(q4_file):
+    """The hyper-connection streams on every row, the PLE rows of every
+    token (its history carried across micro-batches), GDN token by token,
+    QSA with each query's own block set (blocks completing inside and
+    across micro-batches, past the indexer's start): a 40-token prompt in
+    micro-batches of 16 gives the logits and greedy tokens of decode steps;
+    a second prompt starts from a clean state; a prompt extending the last
+    sequence prefills only its new tokens, from that position."""
+    rng = np.random.default_rng(7)
+    prompt = [int(t) for t in rng.integers(1, 200, 40)]
+    new = [int(t) for t in rng.integers(1, 200, 20)]
+    steps = _engine(q4_file, 2, ubatch=0)
+    assert steps.prefill is None
+    steps.generate(prompt, 1)
+    want_logits = steps.state.bufs.logits[0].cpu().clone()
+    want = steps.generate(prompt, 12)
+    rev = prompt[::-1]
+    want2 = steps.generate(rev, 6)
+    ext = rev + want2[:-1] + new
+    want3 = steps.generate(ext, 6)
+    steps.close()
+    eng = _engine(q4_file, 2, ubatch=16)
+    assert eng.prefill is not None
+    eng.generate(prompt, 1)
+    assert eng.prefill.stats.ubatches == 3
+    assert _logits_kld(want_logits, eng.state.bufs.logits[0].cpu()) < 1e-9
+    assert eng.generate(prompt, 12) == want
+    assert eng.generate(rev, 6) == want2
+    assert eng.generate(ext, 6) == want3
+    assert eng.cached_tokens == len(rev) + len(want2) - 1 and eng.prefill.stats.tokens == len(new)
+    eng.close()
+
+
+def test_qwen4exp_prefill_comparison_sees_the_block_mask(q4_file, monkeypatch):
+    """The comparison above fails when the prefill's QSA attends causally
+    without the indexer's block mask."""
+    from fle_engine.runtime import qwen4exp as q4rt
+
+    prompt = [int(t) for t in np.random.default_rng(7).integers(1, 200, 40)]
+    steps = _engine(q4_file, 2, ubatch=0)
+    steps.generate(prompt, 1)
+    want_logits = steps.state.bufs.logits[0].cpu().clone()
+    steps.close()
+    real = q4rt.Net.prefill_keep
+
+    def causal(self, il, xn, pos0, state, ops):
+        real(self, il, xn, pos0, state, ops)           # the indexer keys written, the mask dropped
+        return None
+
+    monkeypatch.setattr(q4rt.Net, "prefill_keep", causal)
+    eng = _engine(q4_file, 2, ubatch=16)
+    eng.generate(prompt, 1)
+    assert _logits_kld(want_logits, eng.state.bufs.logits[0].cpu()) > 1e-4
     eng.close()
 
 

@@ -507,7 +507,7 @@ def test_n_is_bounded_by_the_slots_and_native_answers_an_array(factory):
     assert health == 200
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next", "qwen4exp"])
 def test_follow_up_turn_on_the_gpu_engine_path(tmp_path, arch):
     """The server on the engine runtime (its CPU form here): a follow-up
     turn keeps the sequence the engine holds and computes only the new

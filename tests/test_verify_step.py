@@ -21,6 +21,7 @@ if not CUDA:
 
 from fle_engine.kernels import engine_ops  # noqa: E402
 from fle_engine.runtime import Engine  # noqa: E402
+from fle_engine.runtime import qwen4exp as q4rt  # noqa: E402
 from fle_quant.errors import FleError  # noqa: E402
 from fle_quant.ggml_types import GGMLType  # noqa: E402
 from fle_quant.quants import quantize  # noqa: E402
@@ -45,9 +46,25 @@ def next_file(tmp_path_factory):
                       routing_skew=1.0)
 
 
-@pytest.fixture(params=["qwen3moe", "qwen3next"])
-def arch_file(request, model_file, next_file):
-    return model_file if request.param == "qwen3moe" else next_file
+@pytest.fixture(scope="module")
+def q4_file(tmp_path_factory):
+    """qwen4exp: 3 GDN layers (one with PLE) and a QSA layer (blocks of 4
+    positions, 4 kept), 4 hyper-connection streams, a shared expert."""
+    return make_model(tmp_path_factory.mktemp("verify_q4") / "q.gguf", "qwen4exp", seed=5, mix="release",
+                      routing_skew=1.0)
+
+
+@pytest.fixture(scope="module")
+def q4r2_file(tmp_path_factory):
+    """qwen4exp with blocks of 2 positions (4 kept): a 4-token step spans 3
+    blocks and can complete a block that is not its first."""
+    return make_model(tmp_path_factory.mktemp("verify_q4r2") / "q.gguf", "qwen4exp", seed=5, mix="release",
+                      routing_skew=1.0, attention_compress_ratios=[0, 0, 0, 2], attention_indexer_top_k=8)
+
+
+@pytest.fixture(params=["qwen3moe", "qwen3next", "qwen4exp"])
+def arch_file(request, model_file, next_file, q4_file):
+    return {"qwen3moe": model_file, "qwen3next": next_file, "qwen4exp": q4_file}[request.param]
 
 
 def _engine(path, budget=0, **kw):
@@ -75,7 +92,8 @@ def test_verify_step_equals_single_steps(arch_file, n_tok):
     tokens and logits of T one-token steps fed the same tokens (teacher
     forcing); with two slots per layer some experts hit and some miss. The
     one-token steps run in a second engine that saw the same prompt (on
-    qwen3next the verify step has advanced the GDN states past the prompt)."""
+    qwen3next and qwen4exp the verify step has advanced the GDN states, and
+    on qwen4exp the PLE histories, past the prompt)."""
     eng = _engine(arch_file, 2 * _one_expert_per_layer(arch_file))
     g = eng.generate(PROMPT, 1)
     feed = g + DRAFTS[:n_tok - 1]
@@ -94,9 +112,10 @@ def test_verify_step_equals_single_steps(arch_file, n_tok):
 @pytest.mark.parametrize("keep", [1, 2, 3])
 def test_rewind_then_continue_equals_a_fresh_run(arch_file, keep):
     """Drafts rejected after the first ``keep - 1``: rewind drops their
-    positions (on qwen3next it puts the GDN states back to the verify step's
-    snapshot after its kept tokens), and the next verify step equals the
-    same step in a fresh run that never saw the rejected drafts."""
+    positions (on qwen3next and qwen4exp it puts the GDN states back to the
+    verify step's snapshot after its kept tokens, on qwen4exp the PLE token
+    and conv histories too), and the next verify step equals the same step
+    in a fresh run that never saw the rejected drafts."""
     eng = _engine(arch_file)
     g = eng.generate(PROMPT, 1)
     out = eng.verify_step(g + DRAFTS)                # T = 4; drafts keep .. 3 taken as rejected
@@ -125,11 +144,12 @@ def test_verify_step_arguments(model_file, tmp_path):
         eng.rewind(99)
     eng.close()
 
-def test_rewind_on_recurrent_state_is_bounded(next_file, tmp_path):
-    """GDN states can only be put back within the verify step that just ran:
-    not after a one-token step, not by T or more, not twice; qwen4exp has no
-    T-token step yet and says so."""
-    eng = _engine(next_file)
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen4exp"])
+def test_rewind_on_recurrent_state_is_bounded(next_file, q4_file, arch):
+    """GDN states (and qwen4exp's PLE histories) can only be put back within
+    the verify step that just ran: not after a one-token step, not by T or
+    more, not twice."""
+    eng = _engine(next_file if arch == "qwen3next" else q4_file)
     eng.generate(PROMPT, 1)
     with pytest.raises(FleError, match="recurrent"):
         eng.rewind(1)                                # after decode steps: no snapshot
@@ -142,12 +162,196 @@ def test_rewind_on_recurrent_state_is_bounded(next_file, tmp_path):
     eng.rewind(0)
     assert len(out) == 3 and eng.launched == len(PROMPT) + 1
     eng.close()
-    q4 = make_model(tmp_path / "q4.gguf", "qwen4exp", seed=5, mix="release", routing_skew=1.0)
-    eng = _engine(q4)
-    eng.generate(PROMPT, 1)
-    with pytest.raises(FleError, match="hyper-connections"):
-        eng.verify_step([1, 2])
+
+
+# ---------------------------------------------------------------------------
+# qwen4exp: the QSA indexer inside the step, the PLE history, the reference pass
+# (the factory model's QSA layer keeps 4 blocks of 4 positions: from position 16 on a
+# query has more complete blocks than it keeps, and the block mask matters)
+
+def _long(n: int) -> list[int]:
+    """A prompt of ``n`` tokens (no EOS: the PLE n-grams run across all of them)."""
+    return [1 + (37 * i + 11) % 290 for i in range(n)]
+
+
+def _qsa(eng):
+    il = next(il for il, L in enumerate(eng.net.layers) if isinstance(L.mixer, q4rt.QSA))
+    return il, eng.net.layers[il].mixer
+
+
+_SINGLES: dict = {}
+
+
+def _q4_singles(path, pos: int, feed: list[int]):
+    """One-token steps after a prompt of ``pos`` tokens, fed ``feed``: the
+    greedy tokens, logits, the QSA layer's block mask at each step and its
+    block keys after the last."""
+    key = (str(path), pos, tuple(feed))
+    if key not in _SINGLES:
+        eng = _engine(path)
+        eng.generate(_long(pos), 1)
+        il, mx = _qsa(eng)
+        masks = []
+        attend = eng.net.attend
+
+        def recording(at, i, state, ops):
+            attend(at, i, state, ops)
+            if i == il:
+                masks.append(state.bufs.keep.clone())
+
+        eng.net.attend = recording
+        toks, logits = _single_steps(eng, feed)
+        kb = eng.state.kv[il][3].cpu().clone()
+        eng.close()
+        _SINGLES[key] = (toks, logits, torch.stack(masks).cpu(), kb)
+    return _SINGLES[key]
+
+
+def _q4_verify(path, pos: int, n_tok: int, ops_wrap=None):
+    """A verify step of ``n_tok`` tokens at position ``pos``: (fed tokens,
+    greedy tokens, logits, the QSA layer's block masks [T, NB], its block
+    keys)."""
+    eng = _engine(path)
+    g = eng.generate(_long(pos), 1)
+    if ops_wrap is not None:
+        eng.ops = ops_wrap(eng.ops)
+    feed = g + DRAFTS[:n_tok - 1]
+    got = eng.verify_step(feed)
+    m = eng.state.multi
+    res = (feed, got, m.logits[:n_tok].float().cpu().clone(), m.keep[:n_tok].cpu().clone(),
+           eng.state.kv[_qsa(eng)[0]][3].cpu().clone())
     eng.close()
+    return res
+
+
+@pytest.mark.parametrize("ratio,n_tok,pos", [(4, 2, 23), (4, 3, 22), (4, 4, 21), (4, 4, 24), (2, 4, 21), (2, 4, 23), (2, 4, 25), (2, 3, 20)])
+def test_q4_verify_step_past_the_indexer_start_and_across_block_boundaries(q4_file, q4r2_file, ratio, n_tok, pos):
+    """qwen4exp's T-token step where the indexer drops blocks, the T
+    positions straddling a block boundary (23 | 24 with blocks of 4) or, at
+    24 .. 27, completing a block with their last token; with blocks of 2 a
+    step over 3 blocks completes the second: each query position keeps its
+    own block set, chosen among the blocks complete at it (the block that
+    completes inside the step counts from its last position on), and the
+    tokens, logits and block masks equal T one-token steps' (the first-token
+    mask given to every token is caught by the test below)."""
+    path = q4_file if ratio == 4 else q4r2_file
+    feed, got, logits, keep, kb = _q4_verify(path, pos, n_tok)
+    want, want_logits, want_keep, want_kb = _q4_singles(path, pos, feed)
+    assert got == want
+    _close(logits, want_logits)
+    assert torch.equal(keep.to(torch.int32), want_keep.to(torch.int32))
+    probe = _engine(path)
+    _, mx = _qsa(probe)
+    probe.close()
+    assert mx.ratio == ratio
+    complete = [(pos + t + 1) // mx.ratio for t in range(n_tok)]
+    blocks = {(pos + t) // mx.ratio for t in range(n_tok)}
+    assert len(blocks) == 2 or len(set(complete)) == 2              # a boundary inside, or a block completed
+    for t in range(n_tok):
+        assert complete[t] > mx.n_kept                              # some complete block is not kept
+        assert int(keep[t, :complete[t]].sum()) == mx.n_kept
+        assert bool(keep[t, complete[t]:].all())                    # the tail (and beyond: past the position)
+    _close(kb[:complete[-1]], want_kb[:complete[-1]])               # every block completed so far, final
+
+
+def _wrap_attention(mode):
+    """The fast or reference ops with the T-token attention given a wrong
+    block mask: ``first`` every token gets token 0's set, ``dense`` none."""
+    from types import SimpleNamespace
+
+    def wrap(ops):
+        real = ops.attention_multi
+
+        def attention_multi(q, kc, vc, pos, scale, out, partial, ml, keep=None, ratio=0):
+            if keep is not None and mode == "first":
+                keep = keep[:1].expand_as(keep).contiguous()
+            elif mode == "dense":
+                keep, ratio = None, 0
+            real(q, kc, vc, pos, scale, out, partial, ml, keep=keep, ratio=ratio)
+
+        return SimpleNamespace(**{**vars(ops), "attention_multi": attention_multi})
+
+    return wrap
+
+
+@pytest.mark.parametrize("broken", ["first_token_block_set", "dense", "one_ple_row_set"])
+def test_q4_comparison_sees_a_wrong_step(q4_file, monkeypatch, broken):
+    """The comparison above fails for a T-token step computed wrongly: all
+    queries with the first one's block set, the block mask left out, or
+    every token with the PLE rows of the first."""
+    wrap = None
+    if broken == "first_token_block_set":
+        wrap = _wrap_attention("first")
+    elif broken == "dense":
+        wrap = _wrap_attention("dense")
+    else:
+        real = q4rt.Net.ple_rows_multi
+
+        def one_set(self, p, state, n):
+            real(self, p, state, n)
+            h = self.args.ple_heads
+            rows = state.multi.ple_rows
+            rows[h:n * h].copy_(rows[:h].repeat(n - 1))
+
+        monkeypatch.setattr(q4rt.Net, "ple_rows_multi", one_set)
+    feed, got, logits, _, _ = _q4_verify(q4_file, 21, 4, wrap)
+    want, want_logits, _, _ = _q4_singles(q4_file, 21, feed)
+    err = float((logits - want_logits).abs().max()) / float(want_logits.abs().max())
+    assert got != want or err > 1e-3, err
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_q4_rewind_inside_a_block_then_continue_equals_a_fresh_run(q4_file, keep):
+    """A T = 4 step at positions 21 .. 24 (block 5 completes at 23), drafts
+    rejected after the first ``keep - 1``: after the rewind the GDN states
+    and the PLE token and conv histories equal those of a fresh run fed only
+    the kept tokens, and so do the next step's tokens and logits (the
+    indexer keys of the rejected positions are written again, the key of
+    their block refreshed)."""
+    prompt = _long(21)
+    eng = _engine(q4_file)
+    g = eng.generate(prompt, 1)
+    out = eng.verify_step(g + DRAFTS)
+    eng.rewind(4 - keep)
+    fresh = _engine(q4_file)
+    kept = (g + DRAFTS)[:keep]
+    assert fresh.generate(prompt + kept, 1) == [out[keep - 1]]
+    b, fb = eng.state.bufs, fresh.state.bufs
+    assert torch.equal(b.ple_tok, fb.ple_tok)
+    _close(b.ple_hist, fb.ple_hist)
+    for il, rec in enumerate(eng.args.recurrent[:eng.args.n_layer]):
+        if rec:
+            for x, y in zip(eng.state.kv[il], fresh.state.kv[il]):
+                _close(x, y)
+    nxt = [out[keep - 1], 5, 6]
+    got = eng.verify_step(nxt)
+    assert fresh.verify_step(nxt) == got
+    _close(eng.state.multi.logits[:3].float().cpu(), fresh.state.multi.logits[:3].float().cpu())
+    eng.close()
+    fresh.close()
+
+
+def test_q4_verify_step_equals_the_reference_pass(q4_file):
+    """The T-token step against the reference forward pass fed the same T
+    tokens in one call (its chunked GDN rule, its block selection for a
+    prompt of several tokens): the same greedy tokens, logits within the
+    KLD the one-token engine step is held to (tests/test_engine_qwen4exp.py)."""
+    from fle_engine import load
+
+    prompt = _long(21)
+    model = load(q4_file, device=DEVICE, experts="resident")
+    st = model.new_state(64)
+    first = int(torch.argmax(model.forward(prompt, st)[-1]))
+    feed = [first] + DRAFTS
+    ref = model.forward(feed, st).float().cpu()
+    eng = _engine(q4_file)
+    assert eng.generate(prompt, 1) == [first]
+    got = eng.verify_step(feed)
+    logits = eng.state.multi.logits[:4].float().cpu()
+    eng.close()
+    assert got == ref.argmax(-1).tolist()
+    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(logits.double(), -1)
+    assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 1e-4
 
 
 def _one_expert_per_layer(path) -> int:
@@ -311,6 +515,73 @@ def test_qk_rope_kv_and_attention_of_t_tokens(fast, kv):
                 assert torch.equal(ta, tb) if kv == "q8_0" else float((ta - tb).abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("n_parts", [0, 1, 3])
+def test_hc_write_norm_and_mix_of_t_tokens(fast, n_parts):
+    """qwen4exp's hyper-connection write (+ norm) and read mix for T tokens
+    in one call: the reference equals T one-token calls, the fast kernels
+    (one launch each) equal the reference."""
+    gen = torch.Generator().manual_seed(n_parts)
+    n_tok, s, d = 3, 4, 200
+    res = torch.randn(n_tok, s, d, generator=gen)
+    parts = torch.randn(n_tok, n_parts, d, generator=gen) if n_parts else None
+    inj = torch.randn(n_tok, s, generator=gen) * 3
+    w = torch.rand(s, d, generator=gen) + 0.5
+    gate = torch.randn(n_tok, s * d, generator=gen) * 2
+    one_res, one_out, one_mix = res.clone(), torch.zeros(n_tok, s, d), torch.zeros(n_tok, d)
+    for t in range(n_tok):
+        engine_ops.REFERENCE.hc_write_norm(one_res[t], None if parts is None else parts[t:t + 1], inj[t:t + 1], s, w,
+                                           1e-6, one_out[t])
+        engine_ops.REFERENCE.hc_mix(one_out[t], gate[t:t + 1], one_mix[t])
+    for ops, dev in ((engine_ops.REFERENCE, torch.device("cpu")), (fast, DEVICE)):
+        r = res.clone().to(dev)
+        out = torch.zeros(n_tok, s, d, device=dev)
+        mix = torch.zeros(n_tok, d, device=dev)
+        ops.hc_write_norm(r, None if parts is None else parts.to(dev), inj.to(dev), s, w.to(dev), 1e-6, out)
+        ops.hc_mix(out, gate.to(dev), mix)
+        _close(r.cpu(), one_res)
+        _close(out.cpu(), one_out)
+        _close(mix.cpu(), one_mix)
+    if n_parts:
+        assert not torch.equal(one_res, res)
+
+
+def test_attention_of_t_tokens_with_their_own_block_masks(fast):
+    """QSA in the T-token step: token t attends to positions 0 .. pos + t
+    of the blocks its own row of ``keep`` [T, NB] sets; the reference equals
+    T one-token calls with the rows, the fast kernel the reference, and the
+    rows matter (token 0's row for all changes the others' outputs)."""
+    from fle_engine.kernels.triton_engine import attn_scratch
+
+    gen = torch.Generator().manual_seed(5)
+    n_head, n_kv, dh, n_pos, ratio = 8, 2, 64, 80, 4
+    n_blk = n_pos // ratio
+    kc, vc = torch.randn(n_kv, n_pos, dh, generator=gen), torch.randn(n_kv, n_pos, dh, generator=gen)
+    for n_tok, pos in ((4, 37), (3, 62), (2, 0)):
+        keep = torch.zeros(4, n_blk, dtype=torch.int32)
+        for t in range(n_tok):
+            keep[t, torch.randperm(n_blk, generator=gen)[:3]] = 1
+            keep[t, (pos + t + 1) // ratio:] = 1                  # each token's tail
+        keep = keep[:n_tok]
+        q = torch.randn(n_tok, n_head * dh, generator=gen)
+        p = torch.tensor([pos])
+        one = torch.zeros(n_tok, n_head * dh)
+        for t in range(n_tok):
+            engine_ops.REFERENCE.attention(q[t], kc, vc, p + t, dh ** -0.5, one[t], keep=keep[t], ratio=ratio)
+        ref = torch.zeros(n_tok, n_head * dh)
+        engine_ops.REFERENCE.attention_multi(q, kc, vc, p, dh ** -0.5, ref, keep=keep, ratio=ratio)
+        assert torch.equal(ref, one)
+        partial, ml = attn_scratch(n_kv, n_head, dh, DEVICE, n_tok=4)
+        got = torch.zeros(n_tok, n_head * dh, device=DEVICE)
+        fast.attention_multi(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), p.to(DEVICE), dh ** -0.5, got, partial, ml,
+                             keep=keep.to(DEVICE), ratio=ratio)
+        _close(got.cpu(), ref)
+        if pos > 8:
+            same = torch.zeros(n_tok, n_head * dh, device=DEVICE)
+            fast.attention_multi(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), p.to(DEVICE), dh ** -0.5, same, partial,
+                                 ml, keep=keep[:1].expand_as(keep).contiguous().to(DEVICE), ratio=ratio)
+            assert torch.equal(same[0].cpu(), got[0].cpu()) and not torch.allclose(same[1:].cpu(), got[1:].cpu())
+
+
 def test_attention_of_t_tokens_is_causal(fast):
     """Token 0 of a two-token step does not see position pos + 1 (token 1's
     key, already in the cache); token 1 does."""
@@ -367,6 +638,37 @@ def test_verify_graphs_captured_and_equal_to_eager(model_file):
         eng.verify_step([1, 2])
     eng.close()
     eager.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_q4_verify_graphs_captured_and_equal_to_eager(q4_file):
+    """qwen4exp with CUDA: every T in 2..4 captured as its own graph past the
+    indexer's start (the capture's eager runs put the GDN states and PLE
+    histories back), tokens and logits equal to the eager step's and, after
+    rewinds, to one-token steps; step_cost leaves the sequence as it was."""
+    eng, eager = _engine(q4_file), _engine(q4_file, graphs=False)
+    assert eng._graph is not None and eager._graph is None
+    prompt = _long(21)
+    for e in (eng, eager):
+        e.generate(prompt, 1)
+    for n_tok in (2, 3, 4):
+        feed = [3] + DRAFTS[:n_tok - 1]
+        assert eng.verify_step(feed) == eager.verify_step(feed)
+        _close(eng.state.multi.logits[:n_tok].cpu(), eager.state.multi.logits[:n_tok].cpu(), 1e-4)
+        eng.rewind(n_tok - 1)
+        eager.rewind(n_tok - 1)
+    assert sorted(eng._multi_graphs) == [2, 3, 4]
+    cost = eng.step_cost(4, reps=3)
+    assert cost["seconds"] > 0 and eng.launched == len(prompt) + 3
+    ones = _engine(q4_file)
+    ones.generate(prompt + [3, 3, 3], 1)
+    feed = [7] + DRAFTS
+    want, want_logits = _single_steps(ones, feed)
+    assert eng.verify_step(feed) == want
+    _close(eng.state.multi.logits[:4].cpu(), want_logits, 1e-4)
+    for e in (eng, eager, ones):
+        e.close()
 
 
 def test_bench_script_smoke(model_file, tmp_path):

@@ -29,11 +29,14 @@ Signatures (both sides; outputs written in place):
   0 .. pos + t. The references are T calls of the one-token references
 - ``embed_row(table, qtype, tok, out)``
 - ``attention(..., keep, ratio)``: only the positions p whose block
-  ``keep[p // ratio]`` is set count (sparse attention)
+  ``keep[p // ratio]`` is set count (sparse attention);
+  ``attention_multi(..., keep, ratio)`` with ``keep`` [T, NB]: token t's
+  own block mask, row t
 - ``hc_write_norm(res, parts, inject, n_streams, weight, eps, out)``: the
   hyper-connection write ``res[s] += 2 sigmoid(inject[s] / S) * sum(parts)``
   (skipped when ``parts`` is None) and the per-stream RMSNorm times the
-  [S, D] gamma into ``out``
+  [S, D] gamma into ``out``; for T tokens ``res``/``out`` [T, S, D],
+  ``parts`` [T, P, D], ``inject`` [T, S]
 - ``gdn_step(qkv, z, b, a, conv_state, conv_w, dt_bias, ssm_a, ssm, norm,
   eps, n_k, tiled, sigmoid_gate, conv_out, out)``: one token of a gated
   delta net layer after its projections: causal conv + silu (state
@@ -42,6 +45,7 @@ Signatures (both sides; outputs written in place):
   in place, RMSNorm times ``norm`` and the output gate (sigmoid or silu of
   ``z``) into ``out``
 - ``hc_mix(xn, gate, out)``: ``out = mean_s(xn[s] * sigmoid(gate[s]))``
+  (T tokens: ``xn`` [T, S, D], ``gate`` [T, S D], ``out`` [T, D])
 - ``gather_rows(table, qtype, host_delta, rows, out)``: rows ``rows`` of a
   quantized table, concatenated; the fast side reads them from host memory
   at ``host_delta`` words from ``table`` (zero-copy)
@@ -290,9 +294,10 @@ def qk_rope_kv_multi_ref(qkv: Tensor, q_norm, k_norm, eps: float, cos: Tensor, s
 
 
 def attention_multi_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
-                        partial=None, ml=None) -> None:
+                        partial=None, ml=None, keep: "Tensor | None" = None, ratio: int = 0) -> None:
     for t in range(q.shape[0]):
-        attention_ref(q[t], k_cache, v_cache, pos + t, scale, out[t])
+        attention_ref(q[t], k_cache, v_cache, pos + t, scale, out[t], keep=None if keep is None else keep[t],
+                      ratio=ratio)
 
 
 def attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
@@ -354,13 +359,14 @@ def gdn_tokens_ref(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, conv_state: Ten
 def hc_write_norm_ref(res: Tensor, parts: "Tensor | None", inject: "Tensor | None", n_streams: int, weight: Tensor,
                       eps: float, out: Tensor) -> None:
     if parts is not None:
-        w = 2.0 * torch.sigmoid(inject.reshape(-1, 1) / n_streams)
-        res += w * parts.sum(1)
+        lead = res.shape[:-2]                                         # () for one token, (T,) for T
+        w = 2.0 * torch.sigmoid(inject.reshape(*lead, -1, 1) / n_streams)
+        res += w * parts.sum(1).reshape(*lead, 1, res.shape[-1])
     out.copy_(res * torch.rsqrt(res.pow(2).mean(-1, keepdim=True) + eps) * weight)
 
 
 def hc_mix_ref(xn: Tensor, gate: Tensor, out: Tensor) -> None:
-    out.copy_((xn * torch.sigmoid(gate.view_as(xn))).mean(0).view_as(out))
+    out.copy_((xn * torch.sigmoid(gate.view_as(xn))).mean(-2).view_as(out))
 
 
 def gather_rows_ref(table: Tensor, qtype: GGMLType, host_delta: int, rows: Tensor, out: Tensor) -> None:

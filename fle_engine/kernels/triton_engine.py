@@ -593,14 +593,15 @@ def _kv_parts(cache):
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, k_ptr, v_ptr, kd_ptr, vd_ptr, pos_ptr, o_ptr, ml_ptr, keep_ptr, ratio, n_pos, scale,
-                       group, stride_q, GP: tl.constexpr, DH: tl.constexpr, BLOCK_P: tl.constexpr,
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, kd_ptr, vd_ptr, pos_ptr, o_ptr, ml_ptr, keep_ptr, ratio, stride_keep, n_pos,
+                       scale, group, stride_q, GP: tl.constexpr, DH: tl.constexpr, BLOCK_P: tl.constexpr,
                        N_SPLIT: tl.constexpr, HAS_KEEP: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr):
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
     t = tl.program_id(2)                     # token t of the step sees positions 0 .. pos + t
     length = tl.load(pos_ptr).to(tl.int32) + 1 + t
     q_ptr += t.to(tl.int64) * stride_q
+    keep_ptr += t.to(tl.int64) * stride_keep          # token t's own block mask (0: one mask for all)
     rows_t = tl.num_programs(0) * N_SPLIT * GP           # scratch rows per token
     o_ptr += t.to(tl.int64) * rows_t * DH
     ml_ptr += t.to(tl.int64) * rows_t * 2
@@ -683,14 +684,16 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: f
 
 
 def attention_multi(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
-                    partial: Tensor, ml: Tensor) -> None:
+                    partial: Tensor, ml: Tensor, keep: "Tensor | None" = None, ratio: int = 0) -> None:
     """Causal attention of T tokens at positions pos .. pos + T - 1 (their
     keys and values already in the cache): token t of ``q`` float32
     [T, H Dh] sees positions 0 .. pos + t -> ``out`` [T, H Dh]; the scratch
     from :func:`attn_scratch` with ``n_tok`` >= T. Each token is one
     decode attention (the same splits over its own length); the keys of the
-    shared prefix are read once per token, mostly from L2."""
-    _attn_launch(q[0], k_cache, v_cache, pos, scale, out[0], partial, ml, None, 0, q.shape[0], q.stride(0),
+    shared prefix are read once per token, mostly from L2. ``keep`` (int32
+    [T, NB], rows of one stride): token t's block mask, as
+    :func:`attention`'s."""
+    _attn_launch(q[0], k_cache, v_cache, pos, scale, out[0], partial, ml, keep, ratio, q.shape[0], q.stride(0),
                  out.stride(0))
 
 
@@ -700,8 +703,10 @@ def _attn_launch(q, k_cache, v_cache, pos, scale, out, partial, ml, keep, ratio,
     group = q.numel() // dh // n_kv
     gp = triton.next_power_of_2(group)
     (kq, kd, k8), (vq, vd, v8) = _kv_parts(k_cache), _kv_parts(v_cache)
+    stride_keep = keep.stride(0) if keep is not None and keep.dim() == 2 else 0
     _attn_split_kernel[(n_kv, ATTN_SPLITS, n_tok)](q, kq, vq, kd, vd, pos, partial, ml,
-                                                   pos if keep is None else keep, max(1, int(ratio)), n_pos,
+                                                   pos if keep is None else keep, max(1, int(ratio)), stride_keep,
+                                                   n_pos,
                                                    float(scale), group, stride_q, GP=gp, DH=dh, BLOCK_P=16,
                                                    N_SPLIT=ATTN_SPLITS, HAS_KEEP=keep is not None, K_Q8=k8,
                                                    V_Q8=v8, num_warps=4)
@@ -751,22 +756,25 @@ def embed_row(table: Tensor, qtype: GGMLType, tok: Tensor, out: Tensor) -> None:
 
 
 @triton.jit
-def _hc_write_norm_kernel(res_ptr, parts_ptr, inj_ptr, w_ptr, out_ptr, n, eps, inv_streams,
+def _hc_write_norm_kernel(res_ptr, parts_ptr, inj_ptr, w_ptr, out_ptr, n, n_streams, eps, inv_streams,
                           N_PARTS: tl.constexpr, BLOCK: tl.constexpr):
-    s = tl.program_id(0)
+    s = tl.program_id(0)                   # stream s of token t: row t * S + s of res, inject and out
+    t = tl.program_id(1)
+    row = (t * n_streams + s).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < n
-    x = tl.load(res_ptr + s * n + offs, mask=m, other=0.0)
+    x = tl.load(res_ptr + row * n + offs, mask=m, other=0.0)
     if N_PARTS > 0:
         y = tl.zeros([BLOCK], dtype=tl.float32)
+        base = parts_ptr + t.to(tl.int64) * N_PARTS * n
         for i in tl.static_range(N_PARTS):
-            y += tl.load(parts_ptr + i * n + offs, mask=m, other=0.0)
-        inj = tl.load(inj_ptr + s)
+            y += tl.load(base + i * n + offs, mask=m, other=0.0)
+        inj = tl.load(inj_ptr + row)
         x += 2.0 / (1.0 + tl.exp(-inj * inv_streams)) * y
-        tl.store(res_ptr + s * n + offs, x, mask=m)
+        tl.store(res_ptr + row * n + offs, x, mask=m)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
     w = tl.load(w_ptr + s * n + offs, mask=m, other=0.0)
-    tl.store(out_ptr + s * n + offs, x * r * w, mask=m)
+    tl.store(out_ptr + row * n + offs, x * r * w, mask=m)
 
 
 def hc_write_norm(res: Tensor, parts: "Tensor | None", inject: "Tensor | None", n_streams: int, weight: Tensor,
@@ -774,17 +782,23 @@ def hc_write_norm(res: Tensor, parts: "Tensor | None", inject: "Tensor | None", 
     """The hyper-connection write and the next read's norm in one kernel:
     ``res`` [S, D] (in place) += 2 sigmoid(``inject`` [S] / S) * the sum of
     ``parts`` [1, P, D]; ``out`` [S, D] = per-stream RMSNorm(res) * ``weight``
-    [S, D]."""
-    s, n = res.shape
+    [S, D]. T tokens in one launch: ``res``/``out`` [T, S, D], ``parts``
+    [T, P, D], ``inject`` [T, S] (all contiguous)."""
+    s, n = res.shape[-2:]
+    n_tok = res.numel() // (s * n)
     n_parts = 0 if parts is None else parts.shape[1]
-    _hc_write_norm_kernel[(s,)](res, res if parts is None else parts, res if inject is None else inject, weight, out,
-                                n, float(eps), 1.0 / n_streams, N_PARTS=n_parts, BLOCK=triton.next_power_of_2(n),
-                                num_warps=8)
+    _hc_write_norm_kernel[(s, n_tok)](res, res if parts is None else parts, res if inject is None else inject, weight,
+                                      out, n, s, float(eps), 1.0 / n_streams, N_PARTS=n_parts,
+                                      BLOCK=triton.next_power_of_2(n), num_warps=8)
 
 
 @triton.jit
 def _hc_mix_kernel(xn_ptr, g_ptr, out_ptr, n, S: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    t = tl.program_id(1).to(tl.int64)      # token t: its S streams, its output row
+    xn_ptr += t * S * n
+    g_ptr += t * S * n
+    out_ptr += t * n
     m = offs < n
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(S):
@@ -796,10 +810,12 @@ def _hc_mix_kernel(xn_ptr, g_ptr, out_ptr, n, S: tl.constexpr, BLOCK: tl.constex
 
 def hc_mix(xn: Tensor, gate: Tensor, out: Tensor) -> None:
     """The block input of a hyper-connection read: ``out`` [D] = mean over
-    the S streams of ``xn`` [S, D] * sigmoid(``gate``, S * D values)."""
-    s, n = xn.shape
+    the S streams of ``xn`` [S, D] * sigmoid(``gate``, S * D values); T
+    tokens in one launch: ``xn`` [T, S, D], ``gate`` [T, S D], ``out`` [T, D]."""
+    s, n = xn.shape[-2:]
+    n_tok = xn.numel() // (s * n)
     block = 1024
-    _hc_mix_kernel[(triton.cdiv(n, block),)](xn, gate, out, n, S=s, BLOCK=block, num_warps=4)
+    _hc_mix_kernel[(triton.cdiv(n, block), n_tok)](xn, gate, out, n, S=s, BLOCK=block, num_warps=4)
 
 
 # ---------------------------------------------------------------------------

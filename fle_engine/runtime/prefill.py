@@ -7,7 +7,9 @@ Per micro-batch and layer:
 1. the mixer over the batch's tokens, through the architecture's
    ``prefill_mixer`` (dense matrices decoded once, then one product each;
    attention over the cache and the batch; a GDN layer's recurrence token
-   by token with the decode step's kernel);
+   by token with the decode step's kernel); a net whose residual is more
+   than one row per token (qwen4exp's hyper-connection streams) runs its
+   own layer loop (``prefill_trunk``) around the same MoE;
 2. the router and top-K for every token, the (token, expert) rows sorted
    by expert (:func:`sort_by_expert`, on the device, no host
    synchronisation);
@@ -119,9 +121,10 @@ def prefill_bytes(net, ubatch: int) -> int:
         return 0
     f = max(l.n_ff for l in lays)
     d, k, t = a.n_embd, a.n_expert_used, int(ubatch)
+    streams = getattr(a, "hc", 1)          # qwen4exp: the residual, its norm and the HC gates per stream
     experts = a.n_expert * 3 * f * d * 2
     rows = t * k * (d * 2 + 2 * f * 4 + f * 2 + d * 4 * 2)
-    return experts + rows + t * d * 4 * 4
+    return experts + rows + t * d * 4 * 4 * streams
 
 
 @dataclass
@@ -300,42 +303,53 @@ class Prefill:
         n_glob = len(chunks) * a.n_layer
         for g in range(min(self.depth, n_glob)):
             issue_copy(g)
-        g = 0
+        layer_no = [0]                       # layers run so far over all micro-batches (g above)
+
+        def moe(L, il: int, xn: Tensor, buf: "_Buffers") -> None:
+            """Layer il's routed (and shared) experts of the micro-batch, once
+            the copy of its uncached experts has landed; the next copy issued."""
+            g = layer_no[0]
+            if cuda:
+                wait0 = torch.cuda.Event(enable_timing=True)
+                wait0.record(main)
+                main.wait_event(copy_ev[g])
+                waits.append((wait0, copy_ev[g]))
+            self._moe(L.moe, il, g % self.depth, xn, buf, stg, ops)
+            if cuda:
+                ev = torch.cuda.Event()
+                ev.record(main)
+                done_ev.append(ev)
+            else:
+                done_ev.append(None)
+            if g + self.depth < n_glob:
+                issue_copy(g + self.depth)
+            layer_no[0] = g + 1
+
         pos = int(pos0)
+        trunk = getattr(net, "prefill_trunk", None)          # a net whose residual is not one row per token
         try:
             with torch.inference_mode():
                 for chunk in chunks:
                     T = len(chunk)
                     tok = torch.tensor(chunk, dtype=torch.int64, device=dev)
-                    x = net.prefill_embed(tok, ops)
-                    xn = torch.empty_like(x)
-                    ops.add_rmsnorm(x, None, net.layers[0].attn_norm, a.eps, xn)
                     buf = _Buffers(a, T, dev)
-                    for il, L in enumerate(net.layers):
-                        net.prefill_mixer(L, il, xn, buf.attn_out, pos, st, ops)
-                        ops.add_rmsnorm(x, buf.attn_out.view(T, 1, -1), L.ffn_norm, a.eps, xn)
-                        j = g % self.depth
-                        if cuda:
-                            wait0 = torch.cuda.Event(enable_timing=True)
-                            wait0.record(main)
-                            main.wait_event(copy_ev[g])
-                            waits.append((wait0, copy_ev[g]))
-                        self._moe(L.moe, il, j, xn, buf, stg, ops)
-                        if cuda:
-                            ev = torch.cuda.Event()
-                            ev.record(main)
-                            done_ev.append(ev)
-                        else:
-                            done_ev.append(None)
-                        if g + self.depth < n_glob:
-                            issue_copy(g + self.depth)
-                        nxt = net.layers[il + 1].attn_norm if il + 1 < a.n_layer else net.output_norm
-                        ops.add_rmsnorm(x, net.prefill_parts(L.moe, buf), nxt, a.eps, xn)
-                        g += 1
+                    if trunk is not None:
+                        last = trunk(tok, pos, st, ops, buf, moe)
+                    else:
+                        x = net.prefill_embed(tok, ops)
+                        xn = torch.empty_like(x)
+                        ops.add_rmsnorm(x, None, net.layers[0].attn_norm, a.eps, xn)
+                        for il, L in enumerate(net.layers):
+                            net.prefill_mixer(L, il, xn, buf.attn_out, pos, st, ops)
+                            ops.add_rmsnorm(x, buf.attn_out.view(T, 1, -1), L.ffn_norm, a.eps, xn)
+                            moe(L, il, xn, buf)
+                            nxt = net.layers[il + 1].attn_norm if il + 1 < a.n_layer else net.output_norm
+                            ops.add_rmsnorm(x, net.prefill_parts(L.moe, buf), nxt, a.eps, xn)
+                        last = xn[-1:]
                     pos += T
                     stats.ubatches += 1
                 b = st.bufs
-                net.output.matvec(xn[-1:].contiguous(), b.logits, net.impl(st))
+                net.output.matvec(last.contiguous(), b.logits, net.impl(st))
                 torch.argmax(b.logits, dim=-1, out=st.tok)
                 st.pos.fill_(pos)
         finally:                               # the lent slots come back even when a micro-batch fails

@@ -382,7 +382,10 @@ class Net:
         vv = vv.to(dt).repeat_interleave(group, dim=0)[None]
         qh = q.transpose(0, 1).to(dt)[None]                                  # [1, H, T, Dh]
         scale = getattr(a, "attn_scale", hd ** -0.5)
-        if pos0 == 0:
+        keep = self.prefill_keep(il, xn, pos0, state, ops)
+        if keep is not None:
+            o = F.scaled_dot_product_attention(qh, kk, vv, attn_mask=keep, scale=scale)
+        elif pos0 == 0:
             o = F.scaled_dot_product_attention(qh, kk, vv, is_causal=True, scale=scale)
         else:
             mask = torch.arange(end, device=xn.device)[None, :] <= (pos0 + torch.arange(T, device=xn.device))[:, None]
@@ -391,6 +394,11 @@ class Net:
         if at.gated:
             o = o * torch.sigmoid(qkv[:, nq + 2 * nkv:2 * nq + 2 * nkv])
         dense_rows(at.wo, o.contiguous(), out, ops, state.prefill_dtype)
+
+    def prefill_keep(self, il: int, xn: Tensor, pos0: int, state, ops) -> "Tensor | None":
+        """The cells each of T tokens at pos0 .. may attend to, bool [T, pos0 + T]
+        (causal included), for sparse attention; None: causal (here)."""
+        return None
 
     def prefill_shared(self, m: Moe, xn: Tensor, buf, ops, dtype) -> None:
         """The shared expert of T tokens (gated when the layer has a gate) -> buf.shared [T, D]."""
@@ -489,11 +497,18 @@ class Net:
         kc, vc = state.kv[il][:2]
         ops.qk_rope_kv_multi(qkv[:, :nq + 2 * nkv], at.q_norm, at.k_norm, a.eps, state.rope_cos, state.rope_sin,
                              state.pos, a.n_head, a.n_head_kv, hd, a.n_rot, m.q[:n], kc, vc)
-        ops.attention_multi(m.q[:n], kc, vc, state.pos, getattr(a, "attn_scale", hd ** -0.5), m.o[:n], m.partial,
-                            m.ml)
+        self.attend_multi(at, il, state, ops, n)
         if at.gated:
             m.o[:n].mul_(torch.sigmoid(qkv[:, nq + 2 * nkv:2 * nq + 2 * nkv]))
         at.wo.matvec(m.o[:n], m.attn_out[:n].view(n, -1), impl)
+
+    def attend_multi(self, at: Attn, il: int, state, ops, n: int) -> None:
+        """m.q[:T] (normed, rotated) over the layer's KV cache -> m.o[:T],
+        token t seeing positions <= pos + t."""
+        a, m = self.args, state.multi
+        kc, vc = state.kv[il][:2]
+        ops.attention_multi(m.q[:n], kc, vc, state.pos, getattr(a, "attn_scale", a.head_dim ** -0.5), m.o[:n],
+                            m.partial, m.ml)
 
     def mix_multi(self, L: Layer, il: int, state, ops, n: int) -> None:
         """The layer's token mixer for T tokens: m.xn [T, D] -> m.attn_out."""
@@ -534,6 +549,15 @@ class Net:
         m = state.multi
         return m.parts[:n] if mo.shared is not None else m.y[:n]
 
+    def embed_multi(self, state, ops, n: int) -> None:
+        """The embedding rows of ``state.toks[:T]`` -> m.x[:T]."""
+        x = state.multi.x[:n]
+        if self.tok_embd.qtype in W.FLOAT_TYPES:
+            torch.index_select(self.tok_embd.data, 0, state.toks[:n], out=x)
+        else:
+            for t in range(n):
+                ops.embed_row(self.tok_embd.data, self.tok_embd.qtype, state.toks[t:t + 1], x[t])
+
     def step_multi(self, state, ops, cache, n: int) -> None:
         """T = ``n`` tokens in one pass (:meth:`alloc_multi` first): reads
         ``state.toks[:n]`` and ``state.pos`` on the device, writes the K/V of
@@ -545,11 +569,7 @@ class Net:
         by the GPU here (no CPU share, runtime.split)."""
         a, m = self.args, state.multi
         x, xn = m.x[:n], m.xn[:n]
-        if self.tok_embd.qtype in W.FLOAT_TYPES:
-            torch.index_select(self.tok_embd.data, 0, state.toks[:n], out=x)
-        else:
-            for t in range(n):
-                ops.embed_row(self.tok_embd.data, self.tok_embd.qtype, state.toks[t:t + 1], x[t])
+        self.embed_multi(state, ops, n)
         ops.add_rmsnorm(x, None, self.layers[0].attn_norm, a.eps, xn)
         for il, L in enumerate(self.layers):
             self.mix_multi(L, il, state, ops, n)

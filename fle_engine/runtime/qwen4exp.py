@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, fields, is_dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -134,17 +135,13 @@ class HostTable(W.PageLocked):
 
 class Net(qwen3next.Net):
     Args = ModelArgs
-    supports_prefill = False    # hyper-connections, PLE and the QSA indexer have no many-token form yet
+    supports_prefill = True     # runtime.prefill through prefill_trunk (the S streams, PLE, the QSA indexer)
     gdn_sigmoid = True
     gdn_tiled = True            # V head j reads K head j mod Hk (the converter's order)
 
     def __init__(self, gguf, weights_view, device: torch.device, fast: bool):
         self.ple_table = None
         super().__init__(gguf, weights_view, device, fast)
-
-    def multi_unsupported(self) -> "str | None":
-        return (f"{self.args.arch}: a step of several tokens has no form yet for hyper-connections, the PLE rows "
-                f"and the QSA indexer (qwen3moe and qwen3next files have it)")
 
     # loading -----------------------------------------------------------------------
     def load_head(self) -> None:
@@ -437,3 +434,323 @@ class Net(qwen3next.Net):
             nxt = self.layers[il + 1].hc_attn.norm if il + 1 < len(self.layers) else self.output_hc.norm
             ops.hc_write_norm(b.res, self.moe_parts(L.moe, state), b.hinj, s, nxt, a.eps, b.hxn)
         self.head(state, ops)
+
+    # the verify step: T tokens in one pass ---------------------------------------------
+    # The decode step's arithmetic on T rows: the S streams of every token, the HC reads and
+    # writes of all T in one launch each; PLE rows hashed for every token from the token
+    # history advanced inside the step; GDN layers token by token with per-token snapshots
+    # (qwen3next); QSA with each query position's own block set (the blocks complete at that
+    # position, so a block that completes inside the step counts for the tokens from its last
+    # position on, as in the reference's pass over a prompt); the MoE over T x K (qwen3moe).
+    # The indexer scores every block of the allocated context here (no length buckets: the step
+    # does not know the position on the host): the same choice, at a cost that follows the
+    # allocated context rather than the used length.
+    def alloc_multi(self, state, t_max: int) -> None:
+        """qwen3next's buffers plus the T rows of the streams and the HC
+        reads, the indexer's rows and block masks, and the PLE rows; the PLE
+        token history and conv history followed by the step's T tokens and
+        values (``ple_seq``, ``ple_full``: what a rewind restores from)."""
+        super().alloc_multi(state, t_max)
+        a, m, b = self.args, state.multi, state.bufs
+        f32 = dict(dtype=torch.float32, device=self.device)
+        s, d = a.hc, a.n_embd
+        m.res = torch.zeros(t_max, s, d, **f32)
+        m.hxn = torch.zeros(t_max, s, d, **f32)
+        m.hlo = torch.zeros(t_max, a.hc_rank, **f32)
+        m.hact = torch.zeros(t_max, a.hc_rank, **f32)
+        m.hg = torch.zeros(t_max, s * d, **f32)
+        m.hinj = torch.zeros(t_max, s, **f32)
+        m.steps = torch.arange(t_max, device=self.device)          # the tokens' offsets from pos
+        if self._indexed:
+            m.iqk = torch.zeros(t_max, (a.idx_heads + 1) * a.idx_dim, **f32)
+            m.keep = torch.zeros(t_max, b.keep.shape[0], dtype=torch.int32, device=self.device)
+        if b.ple_tok is not None:
+            m.ple_seq = torch.zeros(a.ple_ngram - 1 + t_max, dtype=torch.int64, device=self.device)
+            m.ple_full = torch.zeros(a.ple_hist + t_max, s * d, **f32)
+            m.ple_rows = torch.zeros(t_max * a.ple_heads, dtype=torch.int64, device=self.device)
+            m.ple_emb = torch.zeros(t_max, d, **f32)
+            m.ple_kv = torch.zeros(t_max, s * d + d, **f32)
+
+    def hc_read_multi(self, hc: HC, state, ops, n: int) -> None:
+        """:meth:`hc_read` of T tokens: m.hxn[:T] -> m.xn[:T] and m.hinj[:T]."""
+        m, impl, s = state.multi, self.impl(state), self.args.hc
+        flat = m.hxn[:n].view(n, -1)
+        hc.down.matvec(flat, m.hlo[:n], impl)
+        if hc.inject is not None:
+            hc.inject.matvec(flat, m.hinj[:n], impl)
+        torch.mul(m.hlo[:n], 1.0 / s, out=m.hact[:n])
+        F.silu(m.hact[:n], inplace=True)
+        hc.up.matvec(m.hact[:n], m.hg[:n], impl)
+        ops.hc_mix(m.hxn[:n], m.hg[:n], m.xn[:n])
+
+    def attend_multi(self, at, il: int, state, ops, n: int) -> None:
+        """m.q[:T] -> m.o[:T]; on a QSA layer the indexer's raw keys of the T
+        positions written, the blocks holding them refreshed, and each query
+        position's block set chosen among the blocks complete at it."""
+        mx = self.layers[il].mixer
+        if not isinstance(mx, QSA):
+            return super().attend_multi(at, il, state, ops, n)
+        a, m = self.args, state.multi
+        impl = self.impl(state)
+        hi, di, r = a.idx_heads, a.idx_dim, mx.ratio
+        xn, iqk = m.xn[:n], m.iqk[:n]
+        if mx.iqk is not None:
+            mx.iqk.matvec(xn, iqk, impl)
+        else:
+            mx.parts[0].matvec(xn, iqk[:, :hi * di], impl)
+            mx.parts[1].matvec(xn, iqk[:, hi * di:], impl)
+        kc, vc, raw, kb = state.kv[il]
+        positions = state.pos + m.steps[:n]                                   # [T]
+        raw.index_copy_(0, positions, iqk[:, hi * di:].to(raw.dtype))
+        # the blocks holding the T positions (a repeated block gets the same key twice)
+        blk = torch.div(positions, r, rounding_mode="floor")
+        pooled = Lr.rms_norm(raw.view(-1, r, di).index_select(0, blk).float().mean(1), mx.k_norm, a.eps)
+        start = blk * r
+        kb.index_copy_(0, blk, Lr.apply_rope_neox(pooled[:, None], state.rope_cos.index_select(0, start),
+                                                  state.rope_sin.index_select(0, start))[:, 0])
+        q = Lr.rms_norm(iqk[:, :hi * di].view(n, hi, di), mx.q_norm, a.eps)
+        q = Lr.apply_rope_neox(q, state.rope_cos.index_select(0, positions), state.rope_sin.index_select(0, positions))
+        nb = kb.shape[0]
+        # the decode step's product per query ([NB, Hi] summed over heads), for T queries at once
+        score = torch.relu(kb @ q.reshape(n * hi, di).T).view(nb, n, hi).sum(-1).T        # [T, NB]
+        complete = torch.div(positions + 1, r, rounding_mode="floor")                     # blocks complete at each
+        tail = state.bufs.blocks[None, :nb] >= complete[:, None]
+        score = score.masked_fill(tail, float("-inf"))
+        top, which = torch.sort(score, dim=-1, descending=True, stable=True)
+        k = min(mx.n_kept, nb)
+        chosen = torch.zeros_like(tail).scatter(1, which[:, :k], top[:, :k] > float("-inf"))
+        keep = m.keep[:n]
+        torch.bitwise_or(chosen, tail, out=keep)
+        ops.attention_multi(m.q[:n], kc, vc, state.pos, a.attn_scale, m.o[:n], m.partial, m.ml, keep=keep, ratio=r)
+
+    def mix_multi(self, L: Layer, il: int, state, ops, n: int) -> None:
+        if isinstance(L.mixer, qwen3next.GDN):
+            self.gdn_multi(L.mixer, il, state, ops, n)
+        else:
+            self.attention_multi(L.mixer.attn if isinstance(L.mixer, QSA) else L.mixer, il, state, ops, n)
+
+    def ple_rows_tokens(self, p: PLE, state, toks: Tensor, seq: Tensor, rows: Tensor) -> None:
+        """The table rows of the T tokens ``toks``' n-grams -> ``rows``
+        [T * heads] (token after token); the token history advanced by the
+        T tokens, the history before them followed by them left in ``seq``
+        [ngram - 1 + T]."""
+        a, b = self.args, state.bufs
+        g, eos, n = a.ple_ngram, a.ple_eos, toks.shape[0]
+        torch.cat([b.ple_tok, toks], out=seq)                               # oldest first
+        ctx = [seq[g - 1:] * p.mult[0]]
+        cut = torch.zeros(n, dtype=torch.bool, device=seq.device)
+        for j in range(1, g):                                               # predecessor j positions back
+            prev = seq[g - 1 - j:g - 1 - j + n]
+            cut = cut | (prev == eos)                                       # an EOS at or after it cuts
+            ctx.append(torch.where(cut, torch.full_like(prev, eos), prev) * p.mult[j])
+        mixed = [ctx[0]]
+        for j in range(1, g):
+            mixed.append(torch.bitwise_xor(mixed[-1], ctx[j]))
+        per = a.ple_heads_per_ngram
+        hashes = torch.stack(mixed[1:], 1)[:, :, None].expand(n, g - 1, per).reshape(n, -1)  # bigram heads first
+        torch.add(torch.remainder(hashes, p.sizes), p.offsets, out=rows.view(n, -1))
+        b.ple_tok.copy_(seq[n:])
+
+    def ple_rows_multi(self, p: PLE, state, n: int) -> None:
+        """:meth:`ple_rows_tokens` of the verify step's T tokens, into m.ple_rows and m.ple_seq."""
+        m = state.multi
+        self.ple_rows_tokens(p, state, state.toks[:n], m.ple_seq[:self.args.ple_ngram - 1 + n],
+                             m.ple_rows[:n * self.args.ple_heads])
+
+    def ple_tokens(self, p: PLE, state, ops, res: Tensor, bufs, product) -> None:
+        """:meth:`ple` of T tokens: ``res`` [T, S, D] += gated + silu(conv),
+        the conv's history advanced by T values. ``bufs``: ``rows`` (filled,
+        int64 [T * heads]), ``emb`` [T, D], ``kv`` [T, S D + D] scratch, and
+        ``full`` [hist + T, S D], left holding the history before the T
+        values followed by them; ``product(matrix, x, out)``."""
+        a, b = self.args, state.bufs
+        s, d, n = a.hc, a.n_embd, res.shape[0]
+        rows, emb, kv = bufs.rows, bufs.emb, bufs.kv
+        t = self.ple_table
+        if state.fast:
+            ops.gather_rows(t.anchor, t.qtype, t.delta, rows, emb.view(-1))
+        else:
+            ops.gather_rows(t.host, t.qtype, 0, rows, emb.view(-1))
+        if p.kv is not None:
+            product(p.kv, emb, kv)
+        else:
+            product(p.parts[0], emb, kv[:, :s * d])
+            product(p.parts[1], emb, kv[:, s * d:])
+        key = Lr.rms_norm(kv[:, :s * d].view(n, s, d), p.norm_key, a.eps)
+        query = Lr.rms_norm(res, p.norm_query, a.eps)
+        score = (key * query).sum(-1, keepdim=True) / math.sqrt(d)          # [T, S, 1]
+        gate = torch.sigmoid(torch.sign(score) * score.abs().clamp(min=1e-6).sqrt())
+        gated = kv[:, None, s * d:] * gate                                  # [T, S, D]
+        normed = Lr.rms_norm(gated, p.norm_conv, a.eps).view(n, s * d)
+        n_hist, k_taps, dil = a.ple_hist, a.ple_conv_kernel, a.ple_ngram
+        full = bufs.full
+        torch.cat([b.ple_hist, normed], 0, out=full)
+        y = full[n_hist:n_hist + n] * p.conv[:, k_taps - 1]
+        for k in range(k_taps - 1):
+            at = n_hist - (k_taps - 1 - k) * dil
+            y = y + full[at:at + n] * p.conv[:, k]
+        b.ple_hist.copy_(full[n:n + n_hist])
+        res.add_(gated + F.silu(y).view(n, s, d))
+
+    def ple_multi(self, p: PLE, state, ops, n: int) -> None:
+        """:meth:`ple_tokens` of the verify step's T tokens on m.res[:T] (the
+        conv history before them followed by them kept in m.ple_full)."""
+        a, m, impl = self.args, state.multi, self.impl(state)
+        self.ple_rows_multi(p, state, n)
+        bufs = SimpleNamespace(rows=m.ple_rows[:n * a.ple_heads], emb=m.ple_emb[:n], kv=m.ple_kv[:n],
+                               full=m.ple_full[:a.ple_hist + n])
+        self.ple_tokens(p, state, ops, m.res[:n], bufs, lambda mat, x, out: mat.matvec(x, out, impl))
+
+    def step_multi(self, state, ops, cache, n: int) -> None:
+        """T = ``n`` tokens in one pass (see :meth:`qwen3moe.Net.step_multi`):
+        token t's logits equal those of a one-token step at position
+        pos + t fed the same tokens; the wide residual of every token after
+        the last layer is left in ``state.multi.res[:T]``."""
+        a, m = self.args, state.multi
+        s = a.hc
+        self.embed_multi(state, ops, n)
+        res, hxn, hinj = m.res[:n], m.hxn[:n], m.hinj[:n]
+        res.copy_(m.x[:n, None].expand_as(res))                               # S copies of each embedding
+        ops.hc_write_norm(res, None, None, s, self.layers[0].hc_attn.norm, a.eps, hxn)
+        for il, L in enumerate(self.layers):
+            if L.ple is not None:
+                self.ple_multi(L.ple, state, ops, n)
+                ops.hc_write_norm(res, None, None, s, L.hc_attn.norm, a.eps, hxn)
+            self.hc_read_multi(L.hc_attn, state, ops, n)
+            self.mix_multi(L, il, state, ops, n)
+            ops.hc_write_norm(res, m.attn_out[:n], hinj, s, L.hc_ffn.norm, a.eps, hxn)
+            self.hc_read_multi(L.hc_ffn, state, ops, n)
+            self.moe_multi(L.moe, il, state, ops, cache, n)
+            nxt = self.layers[il + 1].hc_attn.norm if il + 1 < len(self.layers) else self.output_hc.norm
+            ops.hc_write_norm(res, self.multi_parts(L.moe, state, n), hinj, s, nxt, a.eps, hxn)
+        self.hc_read_multi(self.output_hc, state, ops, n)
+        self.output.matvec(m.xn[:n], m.logits[:n], self.impl(state))
+        torch.argmax(m.logits[:n], dim=-1, out=state.next_toks[:n])
+        state.pos.add_(n)
+
+    # recurrent state: GDN (qwen3next) and the PLE token and conv histories -----------------
+    def restore_multi(self, state, t: int) -> None:
+        """GDN states from their snapshots; the PLE histories as they were
+        after token ``t`` of the last verify step: windows of the history
+        before the step followed by its tokens (values)."""
+        super().restore_multi(state, t)
+        b, m, a = state.bufs, state.multi, self.args
+        if b.ple_tok is not None:
+            b.ple_tok.copy_(m.ple_seq[t + 1:t + a.ple_ngram])
+            b.ple_hist.copy_(m.ple_full[t + 1:t + 1 + a.ple_hist])
+
+    def recurrent_backup(self, state) -> list:
+        out = super().recurrent_backup(state)
+        b = state.bufs
+        if b.ple_tok is not None:
+            out.append((None, b.ple_tok.clone(), b.ple_hist.clone()))
+        return out
+
+    def recurrent_restore(self, state, backup: list) -> None:
+        super().recurrent_restore(state, [e for e in backup if e[0] is not None])
+        b = state.bufs
+        for il, tok, hist in backup:
+            if il is None:
+                b.ple_tok.copy_(tok)
+                b.ple_hist.copy_(hist)
+
+    # prefill (runtime.prefill): a micro-batch of many tokens --------------------------------
+    def prefill_hc_read(self, hc: HC, hxn: Tensor, state, ops) -> "tuple[Tensor, Tensor | None]":
+        """:meth:`hc_read` of T tokens' normed streams ``hxn`` [T, S, D] ->
+        (block input [T, D], raw inject logits [T, S] or None)."""
+        from .prefill import dense_rows
+
+        a, dt = self.args, state.prefill_dtype
+        n, s = hxn.shape[0], a.hc
+        f32 = dict(dtype=torch.float32, device=hxn.device)
+        flat = hxn.view(n, -1)
+        lo = dense_rows(hc.down, flat, torch.empty(n, a.hc_rank, **f32), ops, dt)
+        inj = None if hc.inject is None else dense_rows(hc.inject, flat, torch.empty(n, s, **f32), ops, dt)
+        act = F.silu(torch.mul(lo, 1.0 / s))
+        gate = dense_rows(hc.up, act, torch.empty(n, s * a.n_embd, **f32), ops, dt)
+        xn = torch.empty(n, a.n_embd, **f32)
+        ops.hc_mix(hxn, gate, xn)
+        return xn, inj
+
+    def prefill_trunk(self, tok: Tensor, pos0: int, state, ops, buf, moe) -> Tensor:
+        """The layers over a micro-batch of T tokens at pos0 .. pos0 + T - 1
+        (the decode step's order on T rows: PLE, HC reads and writes, the
+        mixer, ``moe(layer, il, xn, buf)`` for the routed and shared
+        experts); returns the head's input of the last token [1, D]."""
+        from .prefill import dense_rows
+
+        a, dt = self.args, state.prefill_dtype
+        n, s, d = tok.numel(), a.hc, a.n_embd
+        f32 = dict(dtype=torch.float32, device=tok.device)
+        x = self.prefill_embed(tok, ops)
+        res = x[:, None, :].expand(n, s, d).contiguous()                   # S copies of each embedding
+        hxn = torch.empty_like(res)
+        ops.hc_write_norm(res, None, None, s, self.layers[0].hc_attn.norm, a.eps, hxn)
+        for il, L in enumerate(self.layers):
+            if L.ple is not None:
+                g = a.ple_ngram
+                bufs = SimpleNamespace(rows=torch.empty(n * a.ple_heads, dtype=torch.int64, device=tok.device),
+                                       emb=torch.empty(n, d, **f32), kv=torch.empty(n, s * d + d, **f32),
+                                       full=torch.empty(a.ple_hist + n, s * d, **f32))
+                self.ple_rows_tokens(L.ple, state, tok,
+                                     torch.empty(g - 1 + n, dtype=torch.int64, device=tok.device), bufs.rows)
+                self.ple_tokens(L.ple, state, ops, res, bufs, lambda mat, xx, out: dense_rows(mat, xx, out, ops, dt))
+                ops.hc_write_norm(res, None, None, s, L.hc_attn.norm, a.eps, hxn)
+            xn, inj = self.prefill_hc_read(L.hc_attn, hxn, state, ops)
+            self.prefill_mixer(L, il, xn, buf.attn_out, pos0, state, ops)
+            ops.hc_write_norm(res, buf.attn_out.view(n, 1, d), inj, s, L.hc_ffn.norm, a.eps, hxn)
+            xn, inj = self.prefill_hc_read(L.hc_ffn, hxn, state, ops)
+            moe(L, il, xn, buf)
+            nxt = self.layers[il + 1].hc_attn.norm if il + 1 < len(self.layers) else self.output_hc.norm
+            ops.hc_write_norm(res, self.prefill_parts(L.moe, buf), inj, s, nxt, a.eps, hxn)
+        last, _ = self.prefill_hc_read(self.output_hc, hxn[-1:].contiguous(), state, ops)
+        return last
+
+    def prefill_mixer(self, L: Layer, il: int, xn: Tensor, out: Tensor, pos0: int, state, ops) -> None:
+        if isinstance(L.mixer, qwen3next.GDN):
+            self.prefill_gdn(L.mixer, il, xn, out, state, ops)
+        else:
+            self.prefill_attention(L.mixer.attn if isinstance(L.mixer, QSA) else L.mixer, il, xn, out, pos0, state,
+                                   ops)
+
+    def prefill_keep(self, il: int, xn: Tensor, pos0: int, state, ops) -> "Tensor | None":
+        """On a QSA layer: the indexer's raw keys of the T positions written,
+        the blocks holding them re-pooled, and each query's kept blocks (the
+        best complete ones at its position, plus its tail) as cells
+        [T, pos0 + T] within the causal mask; the decode step's arithmetic
+        per query."""
+        from .prefill import dense_rows
+
+        mx = self.layers[il].mixer
+        if not isinstance(mx, QSA):
+            return None
+        a, dt = self.args, state.prefill_dtype
+        hi, di, r = a.idx_heads, a.idx_dim, mx.ratio
+        n, dev = xn.shape[0], xn.device
+        end = pos0 + n
+        iqk = torch.empty(n, (hi + 1) * di, dtype=torch.float32, device=dev)
+        if mx.iqk is not None:
+            dense_rows(mx.iqk, xn, iqk, ops, dt)
+        else:
+            dense_rows(mx.parts[0], xn, iqk[:, :hi * di], ops, dt)
+            dense_rows(mx.parts[1], xn, iqk[:, hi * di:], ops, dt)
+        _, _, raw, kb = state.kv[il]
+        raw[pos0:end] = iqk[:, hi * di:].to(raw.dtype)
+        b0, b1 = pos0 // r, (end - 1) // r + 1                              # the blocks the T positions touch
+        pooled = Lr.rms_norm(raw.view(-1, r, di)[b0:b1].float().mean(1), mx.k_norm, a.eps)
+        starts = torch.arange(b0, b1, device=dev) * r
+        kb[b0:b1] = Lr.apply_rope_neox(pooled[:, None], state.rope_cos[starts], state.rope_sin[starts])[:, 0]
+        positions = torch.arange(pos0, end, device=dev)
+        q = Lr.rms_norm(iqk[:, :hi * di].view(n, hi, di), mx.q_norm, a.eps)
+        q = Lr.apply_rope_neox(q, state.rope_cos[pos0:end], state.rope_sin[pos0:end])
+        nb = b1                                                              # blocks past the last position: never
+        score = torch.relu(kb[:nb] @ q.reshape(n * hi, di).T).view(nb, n, hi).sum(-1).T       # [T, NB]
+        complete = torch.div(positions + 1, r, rounding_mode="floor")
+        tail = torch.arange(nb, device=dev)[None, :] >= complete[:, None]
+        score = score.masked_fill(tail, float("-inf"))
+        top, which = torch.sort(score, dim=-1, descending=True, stable=True)
+        k = min(mx.n_kept, nb)
+        chosen = torch.zeros_like(tail).scatter(1, which[:, :k], top[:, :k] > float("-inf"))
+        kept = chosen | tail
+        slots = torch.arange(end, device=dev)
+        return kept[:, slots // r] & (slots[None, :] <= positions[:, None])
