@@ -241,6 +241,7 @@ class Prefill:
         self.bf16 = bf16
         self._scratch: dict = {}
         self.stats = PrefillStats()
+        self.hidden = None
 
     @property
     def dtype(self):
@@ -254,8 +255,13 @@ class Prefill:
             t = self._scratch[key] = torch.empty(shape, dtype=self.dtype, device=self.eng.device)
         return t
 
-    def run(self, tokens, pos0: int = 0, keep_history: bool = False) -> PrefillStats:
+    def run(self, tokens, pos0: int = 0, keep_history: bool = False, keep_hidden: bool = False) -> PrefillStats:
+        """``keep_hidden``: ``self.hidden`` is then the post-norm hidden
+        state of every token [T, D] float32 (what an MTP head reads), else
+        None."""
         eng = self.eng
+        self.hidden = None
+        hidden = []
         if not keep_history:      # called directly (benchmarks): the engine's next prompt starts afresh
             eng.history = None
         net, st, ops, cache = eng.net, eng.state, eng.ops, eng.cache
@@ -332,6 +338,8 @@ class Prefill:
                         nxt = net.layers[il + 1].attn_norm if il + 1 < a.n_layer else net.output_norm
                         ops.add_rmsnorm(x, net.prefill_parts(L.moe, buf), nxt, a.eps, xn)
                         g += 1
+                    if keep_hidden:
+                        hidden.append(xn.float().clone())
                     pos += T
                     stats.ubatches += 1
                 b = st.bufs
@@ -352,6 +360,8 @@ class Prefill:
         stats.tokens = len(toks)
         stats.seconds = time.perf_counter() - t0
         self.stats = stats
+        if keep_hidden:
+            self.hidden = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         return stats
 
     def _moe(self, m, il: int, j: int, xn: Tensor, buf: "_Buffers", stg: Staging, ops) -> None:
