@@ -87,7 +87,10 @@ class _GroupedMoE(nn.Module):
 
 class Head(nn.Module):
     """The engine's MTP head (see the module docstring). ``forward`` has
-    the reference heads' signature (:mod:`fle_engine.mtp`)."""
+    the reference heads' signature (:mod:`fle_engine.mtp`) but returns the
+    logits of the last pair only [1, V], the one row drafting reads: the
+    head's first call covers the whole prompt, whose [P, V] product would
+    be of no use."""
 
     def __init__(self, ref: nn.Module, embed: W.DenseMatrix, output: W.DenseMatrix, ops, impl: str):
         super().__init__()
@@ -118,8 +121,8 @@ class Head(nn.Module):
         h_out = self.ref.body(embed_rows(self.embed, next_tokens.reshape(-1), self.ops), hidden, cache, positions,
                               rope_cos, rope_sin)
         m = self.output_mat
-        logits = torch.empty(h_out.shape[0], m.n_out, dtype=torch.float32, device=h_out.device)
-        m.matvec(h_out.float().contiguous(), logits, self.impl)
+        logits = torch.empty(1, m.n_out, dtype=torch.float32, device=h_out.device)
+        m.matvec(h_out[-1:].float().contiguous(), logits, self.impl)
         return (logits, h_out) if return_hidden else logits
 
     def with_vocab(self, vocab) -> "Head":
