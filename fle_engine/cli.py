@@ -52,7 +52,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--mtp", action="store_true",
                    help="speculative decoding with the model's MTP head (inside the model file, or --mtp-head): "
-                        "same tokens, fewer trunk steps when drafts are right")
+                        "same tokens, fewer trunk steps when drafts are right; generate on the engine (qwen3next, "
+                        "up to 3 drafts per verify step), serve on the reference path (--device cpu)")
     p.add_argument("--mtp-head", default=None, metavar="FILE", help="a separate MTP-head GGUF (implies --mtp)")
     p.add_argument("--draft-max", type=int, default=2, dest="draft_max",
                    help="with --mtp: tokens drafted ahead per trunk call (default: 2); with --draft-adaptive "
@@ -170,8 +171,8 @@ def _generate(args) -> int:
     if not prompt:
         raise FleError("the prompt tokenizes to nothing; give a non-empty --prompt")
     args.n_predict, args.ctx_size = bound_request(args.model, len(prompt), args.n_predict, args.ctx_size)
-    if device == "cuda" and use_engine(args.model, args):
-        return _generate_engine(args, tok, prompt, sampler)
+    if device == "cuda" and use_engine(args.model, args, mtp_on_engine=True):
+        return _generate_engine(args, tok, prompt, sampler, vocab)
     if args.stats_json:
         raise FleError("--stats-json records the engine's expert cache: it needs the engine (a CUDA device)")
     model = load(args.model, device=device)
@@ -284,12 +285,16 @@ def bound_request(model: str, n_prompt: int, n_predict: int, ctx_size: "int | No
     return n_predict, ctx_size
 
 
-def use_engine(model: str, args) -> bool:
+def use_engine(model: str, args, mtp_on_engine: bool = False) -> bool:
     """Whether ``model`` runs on the engine (GPU expert cache); otherwise the
-    reference pass runs it on the GPU, with a warning saying why."""
+    reference pass runs it on the GPU, with a warning saying why.
+    ``mtp_on_engine``: the caller drafts with the MTP head on the engine
+    (generate, for the architectures of :data:`fle_engine.runtime.mtp.HEADS`);
+    otherwise --mtp is refused here (serve drafts on the reference path)."""
     from fle_quant.gguf_reader import GGUFModel
 
     from .runtime import ARCHS
+    from .runtime.mtp import HEADS
 
     with GGUFModel.open(model) as g:
         arch = g.arch
@@ -298,12 +303,18 @@ def use_engine(model: str, args) -> bool:
               f"(slow)", file=sys.stderr)
         return False
     if args.mtp or args.mtp_head:
-        raise FleError("--mtp runs on the reference path for now: add --device cpu, or drop --mtp")
+        if not mtp_on_engine:
+            raise FleError("serve --mtp runs on the reference path for now: add --device cpu, or drop --mtp")
+        if arch not in HEADS:
+            raise FleError(f"--mtp on the engine runs {', '.join(HEADS)} files; {arch} drafts on the reference "
+                           f"path for now: add --device cpu, or drop --mtp")
     return True
 
 
-def _generate_engine(args, tok, prompt, sampler) -> int:
+def _generate_engine(args, tok, prompt, sampler, vocab=None) -> int:
     from .runtime import Engine
+    from .runtime.engine import VERIFY_MAX
+    from .speculative import AdaptiveDraft, SpecStats
 
     from fle_quant.gguf_reader import GGUFModel
 
@@ -315,15 +326,36 @@ def _generate_engine(args, tok, prompt, sampler) -> int:
         ctx = min(ctx, n_ctx_train)
     if ctx < 0:
         raise FleError(f"--ctx-size must be 0 (the model's own) or a number of tokens, got {ctx}")
+    mtp = args.mtp_head or (True if args.mtp else None)
+    if mtp and not 1 <= args.draft_max <= VERIFY_MAX - 1:
+        raise FleError(f"--draft-max {args.draft_max}: the engine drafts 1 to {VERIFY_MAX - 1} tokens ahead (its "
+                       f"verify step takes up to {VERIFY_MAX} tokens); lower --draft-max, or draft on the "
+                       f"reference path (--device cpu)")
     with Engine(args.model, device="cuda", cache_budget=args.cache_budget, ctx_size=ctx,
                 cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                 profile_path=args.cache_profile, miss_split=args.miss_split, cpu_impl=args.cpu_kernels,
-                ubatch=args.ubatch, prefill_min=args.prefill_min) as eng:
+                ubatch=args.ubatch, prefill_min=args.prefill_min, mtp=mtp) as eng:
         n_predict = min(args.n_predict, eng.ctx_size - len(prompt))
-        n, stopped = _print_tokens(eng.tokens(prompt, n_predict, stop=tok.eog_ids,
-                                              sampler=None if args.temp <= 0 else sampler), tok, args.special)
+        picker = None if args.temp <= 0 else sampler
+        if mtp:
+            spec = SpecStats()
+            policy = AdaptiveDraft(args.draft_max, resettle=False) if args.draft_adaptive else None
+            tokens = eng.speculative(prompt, n_predict, stop=tok.eog_ids, n_draft=args.draft_max, sampler=picker,
+                                     stats=spec, vocab=vocab, adaptive=policy)
+        else:
+            tokens = eng.tokens(prompt, n_predict, stop=tok.eog_ids, sampler=picker)
+        n, stopped = _print_tokens(tokens, tok, args.special)
         why = "end of generation" if stopped else f"{n_predict} tokens"
-        print(f"[prompt {len(prompt)} tokens, generated {n} tokens ({why})]", file=sys.stderr)
+        drafts = ""
+        if mtp:
+            drafts = (f", MTP drafts accepted {spec.accepted}/{spec.drafted} ({100 * spec.acceptance:.1f} %)"
+                      f"{'' if vocab is None else f' from a draft vocabulary of {len(vocab)} tokens'}, "
+                      f"{spec.trunk_calls} verify steps")
+        print(f"[prompt {len(prompt)} tokens, generated {n} tokens ({why}){drafts}]", file=sys.stderr)
+        if mtp and spec.line():
+            print(f"[{spec.line()}]", file=sys.stderr)
+        if mtp and args.draft_adaptive:
+            print(f"[{spec.steps_line()}; {policy.line()}]", file=sys.stderr)
         print(eng.stats.summary(eng.cache), file=sys.stderr)
         if eng.prefill is not None and eng.prefill.stats.tokens:
             print(eng.prefill.stats.line(), file=sys.stderr)

@@ -10,6 +10,10 @@ architecture's head module has
 - ``new_state(max_tokens) -> cache`` (its own KV cache) and
 - ``forward(hidden [T, ...], next_tokens [T], cache, positions [T],
   rope_cos, rope_sin) -> logits [T, V]``,
+- and, for a draft vocabulary, an ``output`` matrix [V, D] (cut to the
+  list's rows by :meth:`~fle_engine.draft_vocab.DraftVocab.head`) or its
+  own ``with_vocab(vocab)`` and ``n_vocab`` (the engine's head,
+  :mod:`fle_engine.runtime.mtp`),
 
 and its trunk keeps, after every ``forward``, the call's hidden states,
 tokens and logits in the sequence state (``hidden``, ``last_tokens``,
@@ -79,9 +83,12 @@ def draft(model, state, next_token: "int | None" = None, n_draft: int = 1,
     if n_draft < 1:
         raise FleError(f"n_draft must be at least 1, got {n_draft}")
     ids = None
+    n_vocab = getattr(head, "n_vocab", None)
     if vocab is not None:
-        head = vocab.head(head)                 # the same head, its output projection cut to the list's rows
-        ids = vocab.tensor(head.output.device)
+        # the same head, its output projection cut to the list's rows (a head with ``with_vocab`` cuts its own)
+        n_vocab = n_vocab or head.output.shape[0]
+        head = head.with_vocab(vocab) if hasattr(head, "with_vocab") else vocab.head(head)
+        ids = vocab.tensor(mtp.queue_h[0].device)
 
     def pick(lg: Tensor) -> Tensor:
         best = lg.argmax(-1)
@@ -111,7 +118,7 @@ def draft(model, state, next_token: "int | None" = None, n_draft: int = 1,
             drafts.append(pick(lg))
         drafts, out_logits = torch.cat(drafts), torch.cat(out_logits)
         if ids is not None:
-            full = out_logits.new_full((out_logits.shape[0], net.mtp.output.shape[0]), float("-inf"))
+            full = out_logits.new_full((out_logits.shape[0], n_vocab), float("-inf"))
             full[:, ids] = out_logits
             out_logits = full
     # the last pair used a guessed token: keep it queued, to redo once the real one is known

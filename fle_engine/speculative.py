@@ -132,14 +132,19 @@ def expected_tokens(accept: Sequence[float], n: int) -> float:
     return e
 
 
-def expected_step_time(accept: Sequence[float], n: int, trunk_cost, draft_cost=None) -> float:
+def expected_step_time(accept: Sequence[float], n: int, trunk_cost, draft_cost=None,
+                       resettle: bool = True) -> float:
     """T(n): the expected seconds of a step drafting ``n``: drafting
     (``draft_cost[n]``, none for n = 0), the trunk call over the next token
     and the n drafts (``trunk_cost[n + 1]``) and, when draft m + 1 is
     rejected (m < n kept), the call over the m + 1 kept tokens that settles
-    the rolled-back state (``trunk_cost[m + 1]``). ``trunk_cost[s]``: the
-    seconds of a trunk call over s tokens (a mapping or a sequence)."""
+    the rolled-back state (``trunk_cost[m + 1]``; none with ``resettle``
+    False: the engine puts the state back from per-token snapshots,
+    :meth:`~fle_engine.runtime.engine.Engine.rewind`). ``trunk_cost[s]``:
+    the seconds of a trunk call over s tokens (a mapping or a sequence)."""
     t = float(trunk_cost[n + 1]) + (float(draft_cost[n]) if n and draft_cost is not None else 0.0)
+    if not resettle:
+        return t
     p = 1.0
     for m in range(n):
         a = accept[m] if m < len(accept) else 0.0
@@ -148,13 +153,14 @@ def expected_step_time(accept: Sequence[float], n: int, trunk_cost, draft_cost=N
     return t
 
 
-def best_draft_count(accept: Sequence[float], trunk_cost, n_max: int, draft_cost=None) -> int:
+def best_draft_count(accept: Sequence[float], trunk_cost, n_max: int, draft_cost=None,
+                     resettle: bool = True) -> int:
     """The n in 0 .. ``n_max`` with the most expected tokens per second,
     E(n) / T(n) (:func:`expected_tokens`, :func:`expected_step_time`); a
     tie goes to the smaller n."""
     best, best_rate = 0, -1.0
     for n in range(n_max + 1):
-        t = expected_step_time(accept, n, trunk_cost, draft_cost)
+        t = expected_step_time(accept, n, trunk_cost, draft_cost, resettle)
         rate = expected_tokens(accept, n) / t if t > 0 else float("inf")
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = n, rate
@@ -201,14 +207,17 @@ class AdaptiveDraft:
     the seconds of trunk calls by size and of drafting by count, smoothed
     (``alpha``). Every ``probe_every``-th step drafts one more than the best
     (at most ``n_max``), so that a position or size judged poor once is
-    measured again. The first step drafts ``n_max``."""
+    measured again. The first step drafts ``n_max``. ``resettle``: a
+    rejection costs a trunk call over the kept tokens (the reference path);
+    False on the engine, which restores the state without one."""
 
     def __init__(self, n_max: int, window: float = 64.0, alpha: float = 0.25, probe_every: int = 8,
-                 prior: float = 0.5, prior_weight: float = 2.0):
+                 prior: float = 0.5, prior_weight: float = 2.0, resettle: bool = True):
         if n_max < 1:
             raise FleError(f"the most drafted tokens must be at least 1, got {n_max}")
         self.n_max, self.decay, self.probe_every = n_max, 1.0 - 1.0 / window, probe_every
         self.prior, self.prior_weight = prior, prior_weight
+        self.resettle = resettle
         self.right = [0.0] * n_max
         self.reached = [0.0] * n_max
         self.trunk = _Costs(alpha)
@@ -226,7 +235,7 @@ class AdaptiveDraft:
         self.step += 1
         if not self.trunk:
             return self.n_max
-        n = best_draft_count(self.acceptance(), self.trunk, self.n_max, self.drafting)
+        n = best_draft_count(self.acceptance(), self.trunk, self.n_max, self.drafting, self.resettle)
         if self.probe_every and self.step % self.probe_every == 0:
             n = min(n + 1, self.n_max)
         return n
@@ -257,7 +266,8 @@ class AdaptiveDraft:
                 f"{trunk} ms, drafting 1..{self.n_max} {dr} ms, best now {self._best()}")
 
     def _best(self) -> int:
-        return best_draft_count(self.acceptance(), self.trunk, self.n_max, self.drafting) if self.trunk else self.n_max
+        return (best_draft_count(self.acceptance(), self.trunk, self.n_max, self.drafting, self.resettle)
+                if self.trunk else self.n_max)
 
 
 def generate_speculative(model, prompt: Sequence[int], n_predict: int, sampler: Callable[[np.ndarray], int],

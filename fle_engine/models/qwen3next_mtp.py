@@ -38,7 +38,7 @@ from ..mtp import MTPState, open_head_file
 from .qwen3moe import param
 from .qwen3next import Block, ModelArgs
 
-__all__ = ["MTPHead", "load_mtp"]
+__all__ = ["MTPHead", "load_mtp", "same_hparams"]
 
 
 class MTPHead(nn.Module):
@@ -76,14 +76,29 @@ class MTPHead(nn.Module):
         with ``return_hidden`` also the head's own post-norm hidden state,
         what a further drafting step reads in place of the trunk's (as
         llama.cpp's MTP drafting feeds ``h_nextn`` back)."""
+        h_out = self.body(F.embedding(next_tokens, self.embed), hidden, cache, positions, rope_cos, rope_sin)
+        logits = F.linear(h_out, self.output)
+        return (logits, h_out) if return_hidden else logits
+
+    def body(self, embedded: Tensor, hidden: Tensor, cache: L.AttnCache, positions: Tensor, rope_cos: Tensor,
+             rope_sin: Tensor) -> Tensor:
+        """The head between its embedding and its output product: the
+        embedding rows of the next tokens ``embedded`` [T, D] and the trunk's
+        hidden states [T, D] -> the head's post-norm hidden state [T, D]
+        (what the engine's drafting, :mod:`fle_engine.runtime.mtp`, runs
+        with its own embedding and output products)."""
         eps = self.a.eps
-        e = L.rms_norm(F.embedding(next_tokens, self.embed), self.enorm, eps)
+        e = L.rms_norm(embedded, self.enorm, eps)
         h = L.rms_norm(hidden, self.hnorm, eps)
         x = F.linear(torch.cat([e, h], -1), self.eh_proj)
         x = self.block(x, cache, positions, rope_cos[positions], rope_sin[positions])
-        h_out = L.rms_norm(x, self.head_norm, eps)
-        logits = F.linear(h_out, self.output)
-        return (logits, h_out) if return_hidden else logits
+        return L.rms_norm(x, self.head_norm, eps)
+
+
+def same_hparams(a: ModelArgs) -> dict[str, int]:
+    """The hyperparameters that a head file must share with the trunk ``a``."""
+    return {"embedding_length": a.n_embd, "expert_count": a.n_expert, "attention.head_count": a.n_head,
+            "attention.head_count_kv": a.n_head_kv}
 
 
 def load_mtp(model, path: "str | os.PathLike[str]") -> MTPHead:
@@ -95,8 +110,7 @@ def load_mtp(model, path: "str | os.PathLike[str]") -> MTPHead:
     a = getattr(net, "args", None)
     if getattr(a, "arch", None) != "qwen3next":
         raise FleError("this MTP head is for qwen3next models")
-    gguf, w = open_head_file(path, net, {"embedding_length": a.n_embd, "expert_count": a.n_expert,
-                                           "attention.head_count": a.n_head, "attention.head_count_kv": a.n_head_kv})
+    gguf, w = open_head_file(path, net, same_hparams(a))
     try:
         head = MTPHead(w, a, net)
     finally:

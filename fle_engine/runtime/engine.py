@@ -123,7 +123,7 @@ class Engine:
                  cache_type_k: str = "f16", cache_type_v: str = "f16", impl: str = "auto", miss_split="gpu",
                  cpu_impl: str = "auto", ubatch: int = 4096, prefill_min: int = PREFILL_MIN,
                  profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
-                 progress: bool = True, log=None):
+                 progress: bool = True, log=None, mtp=None, mtp_experts: str = "auto"):
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr))
         self.device = torch.device(device)
         self.net = None
@@ -147,6 +147,9 @@ class Engine:
                            f"reference path (--device cpu or fle_engine.load)")
         self.net = arch.Net(gguf, Weights(gguf), self.device, self.fast)
         a = self.args = self.net.args
+        # the MTP head before the KV cache and the expert budget, which take the memory that is left
+        head = self._load_mtp(mtp, mtp_experts) if mtp else None
+        self.drafter = None
         max_ctx = int(gguf.hparam("context_length", 262144))
         if ctx_size <= 0:
             ctx_size = max_ctx
@@ -169,6 +172,10 @@ class Engine:
                            f"GiB of GPU memory, more than is free; lower --ctx-size") from None
         cos, sin = rope_table(a.n_rot, a.rope_base, self.ctx_size, a.rope_freq_scale)
         st.rope_cos, st.rope_sin = torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device)
+        if head is not None:
+            from .mtp import Drafter
+
+            self.drafter = Drafter(head, st.rope_cos, st.rope_sin, self.ctx_size)
         # what a step gives the host, in one buffer (one copy per step): routed ids, hit flags, the next token
         st.out_log, (st.ids_log, st.hit_log, st.tok) = _out_log(a.n_layer, a.n_expert_used, self.device)
         st.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -239,6 +246,24 @@ class Engine:
         if bar is not None:
             bar.close()
         self.net.expert_sources = {}
+
+    def _load_mtp(self, spec, experts: str):
+        """The MTP head (``spec``: True for the one inside the model file, or
+        a head file) for :meth:`speculative`; refused on nets without a
+        T-token verify step."""
+        from .mtp import load_head
+
+        why = self.net.multi_unsupported()
+        if why:
+            raise FleError(f"MTP drafting on the engine needs its verify step: {why}; draft on the reference path "
+                           f"(--device cpu)")
+        a = self.args
+        if spec is True:
+            if f"blk.{a.n_layer}.nextn.eh_proj.weight" not in self._gguf.tensors:
+                raise FleError(f"{self._gguf.paths[0]}: no MTP head inside (no blk.{a.n_layer}.nextn.* tensors); "
+                               f"give a separate head file (--mtp-head FILE)")
+            spec = self._gguf.paths[0]
+        return load_head(self.net, spec, self.device, self.ops, self.fast, experts)
 
     def _setup_split(self, spec) -> None:
         """The CPU's share of the misses (``--miss-split``), measured for
@@ -410,6 +435,9 @@ class Engine:
         rep = {"dense_weights": self.net.dense_bytes, "kv_cache": self.kv_bytes, "expert_slots": self.cache.nbytes,
                "expert_budget_used": self.cache.budget_used, "host_experts": self.host.nbytes,
                "prefill_buffers": self.prefill_bytes}
+        if self.drafter is not None:
+            head, c = self.drafter.mtp, self.drafter.state.mtp.cache
+            rep["mtp_head"] = head.nbytes + sum(t.numel() * t.element_size() for t in (c.k, c.v))
         if self.cuda:
             rep["allocated"] = torch.cuda.memory_allocated(self.device)
             rep["reserved"] = torch.cuda.memory_reserved(self.device)
@@ -430,6 +458,7 @@ class Engine:
                     if self.cuda else "")
                  + (f"; prefill buffers up to {m['prefill_buffers'] / gib:.2f} GiB while a prompt is prefilled"
                     if m["prefill_buffers"] else "")
+                 + (f"; MTP head {m['mtp_head'] / gib:.2f} GiB (eager)" if "mtp_head" in m else "")
                  + f"; host experts {m['host_experts'] / gib:.2f} GiB "
                    f"{'page-locked' if self.host.pinned else 'in process memory'}; "
                  + (("CUDA graph" if len(self._graphs) == 1 else f"CUDA graph ({len(self._graphs)} length buckets)")
@@ -619,15 +648,16 @@ class Engine:
     def _use_prefill(self, prompt) -> bool:
         return self.prefill is not None and len(prompt) - self.launched >= self.prefill_min
 
-    def _prefill_prompt(self, prompt) -> "int | None":
+    def _prefill_prompt(self, prompt, keep_hidden: bool = False) -> "int | None":
         """The prompt in micro-batches (runtime.prefill); the steps that
         follow continue from its end. Returns the greedy next token, or None
         when the GPU ran out of memory or failed: prefill is then off for
         this engine, the sequence is reset and the prompt runs as decode
-        steps (said in one line)."""
+        steps (said in one line). ``keep_hidden``: the prompt's post-norm
+        hidden states are left in ``self.prefill.hidden``."""
         start = self.launched
         try:
-            self.prefill.run(prompt[start:], start, keep_history=True)
+            self.prefill.run(prompt[start:], start, keep_history=True, keep_hidden=keep_hidden)
         except Exception as e:  # noqa: BLE001 - on the GPU: out of memory, a kernel that fails to build or run
             if not self.cuda:
                 raise
@@ -809,6 +839,17 @@ class Engine:
             self.consumed -= n
             self.length = self.launched + 1
         self._multi_at = None
+
+    def speculative(self, prompt: Sequence[int], n_predict: int, stop: "set[int] | None" = None, n_draft: int = 2,
+                    sampler=None, stats=None, vocab=None, adaptive=None) -> Iterator[int]:
+        """Tokens as :meth:`tokens` gives them, drafted ahead by the MTP head
+        (the engine made with ``mtp``) and checked in verify steps: see
+        :func:`fle_engine.runtime.mtp.generate`. The sequence starts afresh
+        (no prompt reuse)."""
+        from .mtp import generate
+
+        return generate(self, prompt, n_predict, stop or (), n_draft=n_draft, sampler=sampler, stats=stats,
+                        vocab=vocab, adaptive=adaptive)
 
     def step_cost(self, n_tok: int, reps: int = 20, seed: int = 0) -> dict:
         """The T = ``n_tok`` step measured at the current position with the

@@ -44,6 +44,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fle_quant.errors import FleError
+
 from ..kernels import engine_ops
 from .weights import FLOAT_TYPES, _align
 
@@ -244,6 +246,7 @@ class Prefill:
         self.bf16 = bf16
         self._scratch: dict = {}
         self.stats = PrefillStats()
+        self.hidden = None
 
     @property
     def dtype(self):
@@ -257,8 +260,13 @@ class Prefill:
             t = self._scratch[key] = torch.empty(shape, dtype=self.dtype, device=self.eng.device)
         return t
 
-    def run(self, tokens, pos0: int = 0, keep_history: bool = False) -> PrefillStats:
+    def run(self, tokens, pos0: int = 0, keep_history: bool = False, keep_hidden: bool = False) -> PrefillStats:
+        """``keep_hidden``: ``self.hidden`` is then the post-norm hidden
+        state of every token [T, D] float32 (what an MTP head reads), else
+        None."""
         eng = self.eng
+        self.hidden = None
+        hidden = []
         if not keep_history:      # called directly (benchmarks): the engine's next prompt starts afresh
             eng.history = None
         net, st, ops, cache = eng.net, eng.state, eng.ops, eng.cache
@@ -327,6 +335,8 @@ class Prefill:
 
         pos = int(pos0)
         trunk = getattr(net, "prefill_trunk", None)          # a net whose residual is not one row per token
+        if keep_hidden and trunk is not None:
+            raise FleError(f"internal: prefill keeps no hidden rows for {a.arch} (no MTP drafting on its engine)")
         try:
             with torch.inference_mode():
                 for chunk in chunks:
@@ -346,6 +356,8 @@ class Prefill:
                             nxt = net.layers[il + 1].attn_norm if il + 1 < a.n_layer else net.output_norm
                             ops.add_rmsnorm(x, net.prefill_parts(L.moe, buf), nxt, a.eps, xn)
                         last = xn[-1:]
+                        if keep_hidden:
+                            hidden.append(xn.float().clone())
                     pos += T
                     stats.ubatches += 1
                 b = st.bufs
@@ -366,6 +378,8 @@ class Prefill:
         stats.tokens = len(toks)
         stats.seconds = time.perf_counter() - t0
         self.stats = stats
+        if keep_hidden:
+            self.hidden = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         return stats
 
     def _moe(self, m, il: int, j: int, xn: Tensor, buf: "_Buffers", stg: Staging, ops) -> None:

@@ -1,0 +1,334 @@
+"""MTP speculative decoding on the engine (fle_engine.runtime.mtp), qwen3next.
+
+The engine's loop -- trunk token, head drafts, one verify step, the longest
+agreeing prefix kept, the rest rewound from the GDN snapshots -- gives the
+tokens of plain engine decoding, greedy and sampled; a head that agrees
+with the trunk has every draft accepted, one verify step settling 1 + n
+tokens; after a rejection the engine's state is that of a fresh run fed
+the kept tokens; and the head is called as the reference path calls it,
+so its drafts are the reference path's. Without CUDA the engine runs its
+reference operations (as tests/test_engine.py and test_verify_step.py).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import fle_engine  # noqa: E402
+from fle_engine import speculative  # noqa: E402
+from fle_engine.draft_vocab import DraftVocab  # noqa: E402
+from fle_engine.mtp import draft  # noqa: E402
+from fle_engine.runtime import Engine  # noqa: E402
+from fle_engine.runtime import mtp as rmtp  # noqa: E402
+from fle_engine.sampling import Sampler, SamplerParams  # noqa: E402
+from fle_engine.speculative import (AdaptiveDraft, SpecStats, expected_step_time,  # noqa: E402
+                                    generate_speculative)
+from fle_quant.errors import FleError  # noqa: E402
+from fle_quant.synth import make_model, mtp_path  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("exact_float32")
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+N = 256
+SHORT = [1, 17, 42, 99, 5, 7]                       # decode steps for the prompt
+LONG = list(np.random.default_rng(2).integers(0, 500, 40))   # prefill (at least 32 tokens)
+
+
+@pytest.fixture(scope="module")
+def next_file(tmp_path_factory):
+    """qwen3next with its MTP block inside the file (block_count = N + 1)."""
+    return make_model(tmp_path_factory.mktemp("engine_mtp") / "n.gguf", "qwen3next", seed=4, mix="release",
+                      routing_skew=1.0, mtp="inside")
+
+
+@pytest.fixture(scope="module")
+def budget(next_file):
+    """Two slots per layer of eight experts: a cache smaller than the experts."""
+    probe = _engine(next_file)
+    n = max(lay.expert_bytes for lay in probe.net.layouts.values())
+    probe.close()
+    return 2 * n * probe.args.n_layer
+
+
+def _engine(path, budget=0, ctx=N + 48, mtp=None, **kw):
+    return Engine(path, device=DEVICE, cache_budget=budget, ctx_size=ctx, cache_type_k="f32", cache_type_v="f32",
+                  profile_path="none", progress=False, log=lambda m: None, mtp=mtp, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(next_file, budget):
+    """Plain greedy engine decoding of N tokens after each prompt."""
+    out = {}
+    for name, prompt in (("short", SHORT), ("long", LONG)):
+        eng = _engine(next_file, budget)
+        out[name] = eng.generate(prompt, N)
+        eng.close()
+    return out
+
+
+def _prompt(name):
+    return SHORT if name == "short" else [int(t) for t in LONG]
+
+
+@pytest.mark.parametrize("n_draft,name", [(1, "short"), (3, "long")])
+def test_greedy_equals_plain_engine(next_file, budget, plain, n_draft, name):
+    """(a) 256 greedy tokens with the real head's drafts, checked in verify
+    steps with a cache smaller than the experts: the plain tokens."""
+    eng = _engine(next_file, budget, mtp=True)
+    stats = SpecStats()
+    got = list(eng.speculative(_prompt(name), N, n_draft=n_draft, stats=stats))
+    assert got == plain[name]
+    assert stats.drafted > 0 and stats.reached and stats.reached[0] == sum(stats.steps[1:])
+    assert stats.trunk_calls == sum(stats.steps)            # one verify step per step, no settling call
+    assert eng.cache.stats.hit_rate < 1.0                   # the cache really misses
+    eng.close()
+
+
+def _oracle_head(monkeypatch, head, seq, wrong_after=None, n_vocab=None):
+    """Make ``head`` predict the trunk's known continuation ``seq``: the pair
+    at position p gives the token at p + 2 as one-hot logits. With
+    ``wrong_after`` k, only the first k drafts of each call series are
+    right (a draft at a provisional position past the settled ones is
+    counted by its distance from the first)."""
+    real = head.forward
+    state = {"first": None}
+
+    def fake(hidden, next_tokens, cache, positions, rope_cos, rope_sin, return_hidden=False):
+        logits, h = real(hidden, next_tokens, cache, positions, rope_cos, rope_sin, return_hidden=True)
+        pos = positions.tolist()
+        if len(pos) > 1 or state["first"] is None or pos[0] <= state["first"]:
+            state["first"] = pos[-1]                        # the call that makes draft 1
+        fake_logits = torch.full_like(logits, -1.0)
+        for r, p in enumerate(pos):
+            want = seq[p + 2] if p + 2 < len(seq) else 0
+            if wrong_after is not None and p - state["first"] >= wrong_after:
+                want = (want + 1) % logits.shape[1]
+            fake_logits[r, want] = 1.0
+        return (fake_logits, h) if return_hidden else fake_logits
+
+    monkeypatch.setattr(head, "forward", fake)
+
+
+@pytest.mark.parametrize("n_draft", [1, 3])
+def test_agreeing_head_has_every_draft_accepted(next_file, budget, plain, monkeypatch, n_draft):
+    """(b) A head whose logits are the trunk's own continuation: every draft
+    is accepted and one verify step settles 1 + n tokens, so N tokens take
+    ceil((N - 1) / (1 + n)) verify steps after the prompt."""
+    prompt = SHORT
+    seq = prompt + plain["short"]
+    eng = _engine(next_file, budget, mtp=True)
+    _oracle_head(monkeypatch, eng.drafter.mtp, seq)
+    stats = SpecStats()
+    got = list(eng.speculative(prompt, N, n_draft=n_draft, stats=stats))
+    assert got == plain["short"]
+    assert stats.accepted == stats.drafted > 0
+    assert stats.trunk_calls == -(-(N - 1) // (n_draft + 1))
+    assert stats.by_position() == [1.0] * n_draft
+    eng.close()
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_state_after_rejection_equals_a_fresh_run(next_file, budget, plain, monkeypatch, keep):
+    """(c) Drafts right for ``keep - 1`` places, then wrong: after each step
+    the rejected drafts are rewound (GDN states from the step's snapshots)
+    and the engine equals a fresh engine fed the prompt and the kept tokens
+    -- its recurrent states, its position, and the logits of the next step."""
+    prompt = SHORT
+    seq = prompt + plain["short"]
+    eng = _engine(next_file, budget, mtp=True)
+    _oracle_head(monkeypatch, eng.drafter.mtp, seq, wrong_after=keep - 1)
+    stats = SpecStats()
+    gen = eng.speculative(prompt, 60, n_draft=3, stats=stats)
+    per_step = keep                                  # kept drafts + the trunk's own token
+    taken = [next(gen) for _ in range(1 + 5 * per_step)]  # the first token, then five settled steps
+    assert taken == plain["short"][:len(taken)]
+    assert stats.trunk_calls == 5 and stats.accepted == 5 * (keep - 1) and stats.drafted == 15
+    assert eng.launched == len(prompt) + len(taken) - 1
+    fresh = _engine(next_file, budget)
+    assert fresh.generate(prompt + taken[:-1], 1) == [taken[-1]]
+    assert fresh.launched == eng.launched
+    for il, rec in enumerate(eng.args.recurrent):
+        if rec:
+            for a, b in zip(eng.state.kv[il], fresh.state.kv[il]):
+                assert float((a - b).abs().max()) <= 1e-4 * (float(b.abs().max()) or 1.0)
+    for e in (eng, fresh):
+        e.verify_step([taken[-1]])
+    a, b = eng.state.bufs.logits[0], fresh.state.bufs.logits[0]
+    assert float((a - b).abs().max()) <= 1e-4 * float(b.abs().max())
+    fresh.close()
+    gen.close()
+    eng.close()
+
+
+def _recorder(calls, seq, right):
+    """A wrapper of :func:`fle_engine.mtp.draft` that records the real
+    head's drafts and logits, then hands the loop the known continuation
+    where ``right(step)`` says so (so that steps accept drafts and the
+    head's queue is exercised after acceptances too)."""
+    real = draft
+
+    def wrapped(m, state, next_token=None, n_draft=1, vocab=None):
+        d, lg = real(m, state, next_token=next_token, n_draft=n_draft, vocab=vocab)
+        calls.append((int(next_token), d.tolist(), lg.float().cpu()))
+        ok = right(len(calls) - 1)
+        if ok:
+            cont = seq[state.length + 1:state.length + 1 + len(d)]
+            d = torch.tensor(cont[:ok] + [(t + 1) % lg.shape[1] for t in cont[ok:]], dtype=torch.long)
+        return d, lg
+
+    return wrapped
+
+
+@pytest.mark.parametrize("name,with_vocab", [("short", False), ("long", True)])
+def test_drafts_equal_the_reference_paths(next_file, plain, monkeypatch, name, with_vocab):
+    """(d) The same prompt on the reference path (generate_speculative) and
+    on the engine: the head is called with the same pairs at the same
+    positions, so every call drafts the same tokens with the same logits
+    (to float rounding) -- with acceptances (the loop told the right
+    continuation on two steps of three: one draft, then all) and
+    rejections; and with a draft vocabulary, drafts only from its list."""
+    prompt = _prompt(name)
+    n_tok = 48
+    seq = prompt + plain[name]
+    vocab = DraftVocab(list(range(0, 512, 3))) if with_vocab else None
+    right = lambda s: (0, 1, 3)[s % 3]        # noqa: E731 - step s: that many of its drafts right
+    ref_calls: list = []
+    monkeypatch.setattr(speculative, "draft", _recorder(ref_calls, seq, right))
+    model = fle_engine.load(next_file, device=DEVICE, experts="resident")
+    want = list(generate_speculative(model, prompt, n_tok, Sampler(SamplerParams(temp=0.0)), n_draft=3,
+                                     vocab=vocab))
+    eng_calls: list = []
+    monkeypatch.setattr(rmtp, "draft", _recorder(eng_calls, seq, right))
+    eng = _engine(next_file, mtp=True)
+    stats = SpecStats()
+    got = list(eng.speculative(prompt, n_tok, n_draft=3, stats=stats, vocab=vocab))
+    eng.close()
+    assert got == want == plain[name][:n_tok]
+    assert 0 < stats.accepted < stats.drafted
+    assert len(eng_calls) == len(ref_calls) > 10
+    for (t_e, d_e, lg_e), (t_r, d_r, lg_r) in zip(eng_calls, ref_calls):
+        assert t_e == t_r and d_e == d_r
+        fin = torch.isfinite(lg_r)
+        assert torch.equal(fin, torch.isfinite(lg_e))
+        assert float((lg_e[fin] - lg_r[fin]).abs().max()) <= 1e-4 * float(lg_r[fin].abs().max())
+        if vocab is not None:
+            assert set(d_e) <= set(vocab.ids.tolist())
+
+
+def test_separate_head_file(tmp_path):
+    """The head in a separate file (--mtp-head) drafts as the one inside the
+    model file does."""
+    inside = make_model(tmp_path / "in.gguf", "qwen3next", seed=5, mix="release", mtp="inside")
+    sep = make_model(tmp_path / "sep.gguf", "qwen3next", seed=5, mix="release", mtp="separate")
+    drafts = []
+    for path, spec in ((inside, True), (sep, str(mtp_path(sep)))):
+        eng = _engine(path, ctx=64, mtp=spec)
+        got = []
+        real = eng.drafter.draft
+        eng.drafter.draft = lambda tok, n, vocab=None, real=real, got=got: got.append(real(tok, n, vocab)) or got[-1]
+        list(eng.speculative(SHORT, 16, n_draft=2))
+        drafts.append(got)
+        eng.close()
+    assert drafts[0] == drafts[1] and len(drafts[0]) == 14     # the last step, one token short of 16, drafts none
+
+
+def test_sampled_equals_plain_sampled(next_file, budget, monkeypatch):
+    """Sampled MTP on the engine: each token sampled from the verify step's
+    row, in order, with the plain run's draws -- the plain sampled tokens
+    (the drafts told the plain sampled continuation, so that rows past the
+    first are sampled too)."""
+    params = SamplerParams(temp=1.0, top_k=20, top_p=0.95, min_p=0.0, seed=7)
+    eng = _engine(next_file, budget, mtp=True)
+    want = eng.generate(SHORT, 64, sampler=Sampler(params))
+    seq = SHORT + want
+    real = eng.drafter.draft
+    right = {"n": 0}
+
+    def half_oracle(tok, n, vocab=None):
+        real(tok, n, vocab)
+        right["n"] += 1
+        pos = eng.launched
+        return seq[pos + 1:pos + 1 + n] if right["n"] % 2 else [(t + 1) % 512 for t in seq[pos + 1:pos + 1 + n]]
+
+    eng.drafter.draft = half_oracle
+    stats = SpecStats()
+    got = list(eng.speculative(SHORT, 64, n_draft=3, sampler=Sampler(params), stats=stats))
+    assert got == want
+    assert stats.accepted > 0 and stats.accepted < stats.drafted
+    eng.close()
+
+
+def test_adaptive_drafting(next_file, plain):
+    """--draft-adaptive on the engine: the counts vary within 0 .. n_max,
+    the tokens stay the plain ones, the policy sees verify-step times and no
+    settling call; a rejection costs nothing more in its step-time model."""
+    eng = _engine(next_file, mtp=True)
+    policy = AdaptiveDraft(3, resettle=False)
+    stats = SpecStats()
+    got = list(eng.speculative(SHORT, 64, n_draft=3, stats=stats, adaptive=policy))
+    assert got == plain["short"][:64]
+    assert policy.trunk.t and set(policy.trunk.t) <= {1, 2, 3, 4}
+    # the first step drafts n_max; the real head's drafts fail, so later steps draft fewer
+    assert sum(stats.steps) == stats.trunk_calls and stats.steps[3] >= 1 and sum(1 for c in stats.steps if c) >= 2
+    eng.close()
+    cost = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6}
+    assert expected_step_time([0.5, 0.5], 2, cost, resettle=False) == 1.4
+    assert expected_step_time([0.5, 0.5], 2, cost) == pytest.approx(1.4 + 0.5 * 1.0 + 0.25 * 1.2)
+
+
+def test_refusals(next_file, tmp_path):
+    """No head in the file; more drafts than a verify step takes; an
+    architecture without the T-token step (qwen4exp, for now)."""
+    bare = make_model(tmp_path / "bare.gguf", "qwen3next", seed=4, mix="release")
+    with pytest.raises(FleError, match="no MTP head inside"):
+        _engine(bare, ctx=32, mtp=True)
+    eng = _engine(bare, ctx=32)
+    with pytest.raises(FleError, match="no MTP head"):
+        next(eng.speculative(SHORT, 4))
+    eng.close()
+    eng = _engine(next_file, ctx=32, mtp=True)
+    with pytest.raises(FleError, match="1 to 3 tokens ahead"):
+        next(eng.speculative(SHORT, 4, n_draft=4))
+    eng.close()
+    q4 = make_model(tmp_path / "q4.gguf", "qwen4exp", seed=5, mix="release", mtp="inside")
+    with pytest.raises(FleError, match="verify step|runs qwen3next files"):
+        _engine(q4, ctx=32, mtp=True)
+
+
+def test_cli_generate_mtp_runs_on_the_engine(next_file, monkeypatch, capsys, tmp_path):
+    """fle-engine generate --mtp with a CUDA device runs the engine's loop
+    (here the CPU engine stands in for the GPU one): the text of plain
+    engine decoding, the acceptance lines; serve --mtp is still refused on
+    the engine."""
+    from fle_engine import cli
+    import fle_engine.runtime as runtime
+
+    made = []
+
+    class CpuEngine(Engine):
+        def __init__(self, path, **kw):
+            kw.update(device=DEVICE, profile_path="none", progress=False, log=lambda m: None)
+            super().__init__(path, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(cli, "resolve_device", lambda d: "cuda")
+    monkeypatch.setattr(runtime, "Engine", CpuEngine)
+    base = ["generate", str(next_file), "-p", "hello world", "-n", "24", "--temp", "0", "--miss-split", "gpu"]
+    assert cli.main(base) == 0
+    plain_out = capsys.readouterr().out
+    assert cli.main(base + ["--mtp", "--draft-max", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain_out
+    assert "MTP drafts accepted" in err and "verify steps" in err and "acceptance by draft position" in err
+    assert made[-1].drafter is not None and made[0].drafter is None
+    assert cli.main(base + ["--mtp", "--draft-max", "4"]) != 0
+    assert "1 to 3 tokens ahead" in capsys.readouterr().err
+    args = cli._parser().parse_args(["serve", str(next_file), "--mtp"])
+    with pytest.raises(FleError, match="serve --mtp runs on the reference path"):
+        cli.use_engine(str(next_file), args)
