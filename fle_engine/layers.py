@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    "rms_norm", "rope_table", "apply_rope_neox", "AttnCache", "attention", "attention_batch", "stacked", "Rots",
-    "rot_cat", "swiglu", "MoE", "MoECapture", "MoERecord", "GDNState", "causal_conv1d", "l2_norm", "gdn_recurrent",
-    "gdn_chunked", "State",
+    "rms_norm", "rope_table", "apply_rope_neox", "AttnCache", "attention", "attention_batch", "stacked",
+    "stacked_fields", "one_token_each", "Rots",
+    "rot_cat", "swiglu", "MoE", "MoECapture", "MoERecord", "GDNState", "causal_conv1d", "conv_step_rows", "l2_norm",
+    "gdn_recurrent", "gdn_step_rows", "gdn_chunked", "State",
 ]
 
 
@@ -142,6 +143,25 @@ def stacked(ts: list[Tensor]) -> Tensor | None:
     if step <= 0 or (len(rows) > 2 and any(b - a != step for a, b in zip(rows, rows[1:]))) or (cut and n > full[1]):
         return None
     return pool[rows[0]:rows[-1] + 1:step, :, :n] if cut else pool[rows[0]:rows[-1] + 1:step]
+
+
+def one_token_each(sizes: list[int]) -> bool:
+    """Whether a batched call brings several sequences one new token each
+    (a batched decode step)."""
+    return len(sizes) > 1 and all(n == 1 for n in sizes)
+
+
+def stacked_fields(objs: list, names: tuple[str, ...]) -> tuple | None:
+    """The fields ``names`` of ``objs`` (one layer's cache or carried state
+    per sequence) as :func:`stacked` views ``[S, *shape]``, when every
+    field's tensors are rows of one pool; None otherwise."""
+    out = []
+    for name in names:
+        t = stacked([getattr(o, name) for o in objs])
+        if t is None:
+            return None
+        out.append(t)
+    return tuple(out)
 
 
 class Rots(list):
@@ -460,6 +480,19 @@ def causal_conv1d(x: Tensor, conv_state: Tensor, weight: Tensor) -> tuple[Tensor
     return y, full[full.shape[0] - n_keep:]
 
 
+def conv_step_rows(x: Tensor, conv: Tensor, weight: Tensor) -> Tensor:
+    """:func:`causal_conv1d` of S sequences' one new token each: ``x``
+    [S, C], ``conv`` [S, K-1, C] their histories (rows of one pool, see
+    :func:`stacked`; updated in place). Each row's arithmetic is the
+    sequence's own. Returns y [S, C]."""
+    full = torch.cat([conv.to(x.dtype), x[:, None]], dim=1)            # [S, K, C]
+    y = torch.zeros_like(x)
+    for i in range(weight.shape[1]):                                    # K taps, a static loop
+        y = y + full[:, i] * weight[:, i]
+    conv.copy_(full[:, 1:])
+    return y
+
+
 def l2_norm(x: Tensor, eps: float) -> Tensor:
     """llama.cpp's GDN L2 norm: x / sqrt(sum x^2 + eps) over the last axis
     (``build_gdn_l2_norm``: rms_norm with eps/n, scaled by 1/sqrt(n))."""
@@ -483,6 +516,22 @@ def gdn_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, stat
         s = s + d[:, :, None] * kt[:, None, :]
         outs.append(torch.matmul(s, qt[:, :, None]).squeeze(-1))
     return torch.stack(outs, 0), s
+
+
+def gdn_step_rows(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
+    """:func:`gdn_recurrent` of one token for each of S sequences, on their
+    states ``state`` [S, H, Dv, Dk] float32 (rows of one pool, see
+    :func:`stacked`), updated in place: ``q``, ``k`` [S, H, Dk], ``v``
+    [S, H, Dv], ``g``, ``beta`` [S, H]. The same operations as
+    :func:`gdn_recurrent`'s, with the sequences' heads side by side.
+    Returns o [S, H, Dv] float32."""
+    scale = q.shape[-1] ** -0.5
+    state.mul_(torch.exp(g.float())[..., None, None])
+    kt, qt = k.float(), q.float() * scale
+    sk = torch.matmul(state, kt[..., None]).squeeze(-1)                # [S, H, Dv]
+    d = (v.float() - sk) * beta.float()[..., None]
+    state.add_(d[..., None] * kt[..., None, :])
+    return torch.matmul(state, qt[..., None]).squeeze(-1)
 
 
 def gdn_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,

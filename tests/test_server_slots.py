@@ -75,26 +75,47 @@ def test_forward_batch_equals_one_by_one(factory, arch):
     assert t1.length == s1.length and t2.length == s2.length
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
-def test_pooled_slot_states_step_as_one_by_one(factory, arch):
-    """With several slots, the slots' attention caches (and GDN states) are
-    rows of one buffer per layer, and a decode step of sequences of unequal
-    lengths attends for all of them at once (the shorter masked past its
-    end) and runs the delta rule for all at once."""
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pooled_slot_states_step_as_one_by_one(factory, arch, monkeypatch):
+    """With several slots, the slots' attention caches (and GDN states,
+    qwen4exp's indexer keys and PLE histories) are rows of one buffer per
+    layer, and a decode step of sequences of unequal lengths attends for all
+    of them at once (the shorter masked past its end, each under its own
+    QSA selection) and runs the delta rule and the PLE for all at once."""
     m, tok = factory[arch]
-    eng = Engine(m, tok, n_ctx=64, name="t", n_parallel=2)
+    eng = Engine(m, tok, n_ctx=128, name="t", n_parallel=2)
     t1, t2 = (eng._new_state(s) for s in eng.slots)
-    att = [il for il, c in enumerate(t1.layers) if type(c) is L.AttnCache]
+    att = [il for il, c in enumerate(t1.layers) if isinstance(c, L.AttnCache)]
     assert att
     for il in att:
         assert L.stacked([t1.layers[il].k, t2.layers[il].k]) is not None
-        assert L.stacked([L.live_view(t1.layers[il], 5).k, L.live_view(t2.layers[il], 9).k]).shape[2] == 9
+        if type(t1.layers[il]) is L.AttnCache:       # qwen4exp's attention reads whole caches
+            assert L.stacked([L.live_view(t1.layers[il], 5).k, L.live_view(t2.layers[il], 9).k]).shape[2] == 9
+        if getattr(t1.layers[il], "idx", None) is not None:
+            assert L.stacked([t1.layers[il].idx, t2.layers[il].idx]).shape == (2, *t1.layers[il].idx.shape)
     for c1, c2 in zip(t1.layers, t2.layers):
         if type(c1) is L.GDNState:
             assert L.stacked([c1.conv, c2.conv]).shape == (2, *c1.conv.shape)
             assert L.stacked([c1.ssm, c2.ssm]).shape == (2, *c1.ssm.shape)
-    s1, s2 = m.new_state(32), m.new_state(32)
-    pa, pb = [1, 5, 9, 200, 7, 3], [3, 4, 8]
+    if getattr(t1, "ple", None) is not None:
+        assert L.stacked_fields([t1.ple, t2.ple], ("tokens", "conv")) is not None
+        torch.testing.assert_close(t1.ple.tokens, m.new_state(8).ple.tokens)    # the new state's values (EOS)
+    kept = []                                 # (cells kept, cells before and at the query) of QSA selections
+    if arch == "qwen4exp":
+        from fle_engine.models import qwen4exp as Q
+
+        keep_cells = Q.QSAttention._keep
+
+        def spy(self, score, positions, n_pos):
+            keep = keep_cells(self, score, positions, n_pos)
+            kept.append((keep.sum(-1), positions + 1))
+            return keep
+
+        monkeypatch.setattr(Q.QSAttention, "_keep", spy)
+    s1, s2 = m.new_state(64), m.new_state(64)
+    # prompts long enough that a QSA layer's indexer leaves blocks out
+    pa = [(7 * i + 3) % 500 for i in range(37)]
+    pb = [(11 * i + 5) % 500 for i in range(23)]
     ref = [m.forward(pa, s1), m.forward(pb, s2)]
     got = m.forward_batch([pa, pb], [t1, t2])
     for step in range(6):
@@ -106,6 +127,8 @@ def test_pooled_slot_states_step_as_one_by_one(factory, arch):
     got += m.forward_batch([[31], [32]], [t1, t2])
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+    if arch == "qwen4exp":                    # a batched step's selection left cells out of both rows
+        assert any(n.shape[0] == 2 and bool((n < c).all()) for n, c in kept)
     # separate tensors, and views that overlap or are unequally spaced, are not one pool
     a, b = torch.zeros(2, 8, 4), torch.zeros(2, 8, 4)
     assert L.stacked([a, b]) is None
@@ -145,7 +168,7 @@ def test_two_slots_run_at_once_and_answer_as_cold_runs(factory):
     assert eng.n_rounds - rounds_before[0] < 24 + 24
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_two_slots_answer_as_one_slot(factory, arch):
     """Greedy answers of 4 requests at once (prompts of unequal lengths, so
     the batched attention masks the shorter sequence) are the same on 2
@@ -164,7 +187,7 @@ def test_two_slots_answer_as_one_slot(factory, arch):
 
         out = call(eng, fn)
         if n_par > 1:
-            k0, k1 = (next(c.k for c in s.state.layers if type(c) is L.AttnCache) for s in eng.slots)
+            k0, k1 = (next(c.k for c in s.state.layers if isinstance(c, L.AttnCache)) for s in eng.slots)
             assert k0._base is not None and k0._base is k1._base
         return out
 

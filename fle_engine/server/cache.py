@@ -29,7 +29,8 @@ from fle_quant.errors import FleError
 
 from .. import layers as L
 
-__all__ = ["Snapshot", "snapshot", "restore", "truncatable", "PromptCache", "common_prefix", "usable_prefix"]
+__all__ = ["Snapshot", "snapshot", "restore", "truncatable", "carried_parts", "PromptCache", "common_prefix",
+           "usable_prefix"]
 
 _STATE_SKIP = {"max_tokens", "pos", "layers", "rope_cos", "rope_sin", "length", "hidden", "last_tokens",
                "last_logits", "mtp"}
@@ -40,7 +41,7 @@ def _tensors(obj) -> dict[str, Tensor]:
             if isinstance(getattr(obj, f.name), Tensor)}
 
 
-def _extra_parts(state) -> dict[str, Any]:
+def carried_parts(state) -> dict[str, Any]:
     """Carried state other than the layers: dataclass fields of the state
     (qwen4exp's ``ple``) that hold tensors."""
     out = {}
@@ -56,7 +57,7 @@ def _extra_parts(state) -> dict[str, Any]:
 def truncatable(state) -> bool:
     """Whether ``state`` can be cut back to a shorter prefix in place: every
     layer attention, nothing carried beside."""
-    return all(isinstance(c, L.AttnCache) for c in state.layers) and not _extra_parts(state)
+    return all(isinstance(c, L.AttnCache) for c in state.layers) and not carried_parts(state)
 
 
 @dataclass
@@ -94,7 +95,7 @@ def snapshot(state, n: int) -> Snapshot:
                 t = t[:, :n] if name in ("k", "v") else t[:n]
             parts[name] = t.detach().clone()
         layers.append(parts)
-    extra = {name: {k: t.detach().clone() for k, t in _tensors(v).items()} for name, v in _extra_parts(state).items()}
+    extra = {name: {k: t.detach().clone() for k, t in _tensors(v).items()} for name, v in carried_parts(state).items()}
     return Snapshot(n, layers, extra)
 
 
@@ -118,7 +119,7 @@ def restore(snap: Snapshot, state) -> None:
                     raise FleError(f"the snapshot is of another model ({name}: {list(src.shape)} vs "
                                    f"{list(dst.shape)})")
                 dst.copy_(src)
-        extra = _extra_parts(state)
+        extra = carried_parts(state)
         if extra.keys() != snap.extra.keys():
             raise FleError("the snapshot is of another model (carried state differs)")
         for name, obj in extra.items():

@@ -21,6 +21,7 @@ runs its own token generator; the GPU engine serves one slot at a time.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -226,7 +227,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._batched = hasattr(model, "forward_batch")
         self._truncatable: bool | None = None
-        self._pools: dict[int, tuple[torch.Tensor, ...]] = {}   # per layer, see _new_state
+        self._pools: dict[object, tuple[torch.Tensor, ...]] = {}   # per layer (and carried state), see _new_state
         # counters for /metrics
         self.n_prompt_total = self.n_predicted_total = self.n_requests = self.n_cached_total = 0
         self.t_prompt_total = self.t_predicted_total = 0.0
@@ -412,32 +413,42 @@ class Engine:
 
     def _new_state(self, slot: Slot):
         """A new state for ``slot``. With several slots, its attention caches
-        and GDN states are the slot's rows of buffers per layer shared by all
-        slots (zeroed here), so that a batched decode step reads and updates
-        every slot's keys and values, or recurrent state, as one tensor
-        (:func:`fle_engine.layers.stacked`)."""
+        and recurrent states (a GDN layer's, qwen4exp's indexer keys and PLE
+        history) are the slot's rows of buffers shared by all slots (set to
+        the new state's values here), so that a batched decode step reads
+        and updates every slot's keys and values, or recurrent state, as one
+        tensor (:func:`fle_engine.layers.stacked`)."""
         st = self.model.new_state(slot.n_ctx)
         layers = getattr(st, "layers", None)
         if self.n_parallel < 2 or not isinstance(layers, list):
             return st
         for il, c in enumerate(layers):
-            if type(c) is L.AttnCache:
-                names = ("k", "v")
-            elif type(c) is L.GDNState:
-                names = ("conv", "ssm")
-            else:
-                continue
-            parts = [getattr(c, f) for f in names]
-            pool = self._pools.get(il)
-            if pool is None or any(p.shape[1:] != t.shape or p.dtype != t.dtype or p.device != t.device
-                                   for p, t in zip(pool, parts)):
-                pool = tuple(t.new_zeros((self.n_parallel, *t.shape)) for t in parts)
-                self._pools[il] = pool
-            rows = [p[slot.id] for p in pool]
-            for r in rows:
-                r.zero_()
-            layers[il] = type(c)(*rows)
+            layers[il] = self._pooled(il, c, slot)
+        for name, obj in C.carried_parts(st).items():
+            setattr(st, name, self._pooled(name, obj, slot))
         return st
+
+    def _pooled(self, key, obj, slot: Slot):
+        """``obj`` (a dataclass of tensors: one layer's cache, or carried
+        state) with each tensor replaced by the slot's row of the pool kept
+        under ``key``, holding the tensor's values."""
+        if not dataclasses.is_dataclass(obj):
+            return obj
+        parts = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+                 if isinstance(getattr(obj, f.name), torch.Tensor)}
+        if not parts:
+            return obj
+        pool = self._pools.get(key)
+        if pool is None or len(pool) != len(parts) or any(
+                p.shape[1:] != t.shape or p.dtype != t.dtype or p.device != t.device
+                for p, t in zip(pool, parts.values())):
+            pool = tuple(t.new_zeros((self.n_parallel, *t.shape)) for t in parts.values())
+            self._pools[key] = pool
+        rows = {}
+        for p, (name, t) in zip(pool, parts.items()):
+            rows[name] = p[slot.id]
+            rows[name].copy_(t)
+        return dataclasses.replace(obj, **rows)
 
     def _fresh_state(self, slot: Slot) -> None:
         if slot.state is not None and self._can_truncate():
