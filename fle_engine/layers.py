@@ -522,16 +522,24 @@ def gdn_step_rows(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, stat
     """:func:`gdn_recurrent` of one token for each of S sequences, on their
     states ``state`` [S, H, Dv, Dk] float32 (rows of one pool, see
     :func:`stacked`), updated in place: ``q``, ``k`` [S, H, Dk], ``v``
-    [S, H, Dv], ``g``, ``beta`` [S, H]. The same operations as
-    :func:`gdn_recurrent`'s, with the sequences' heads side by side.
-    Returns o [S, H, Dv] float32."""
-    scale = q.shape[-1] ** -0.5
+    [S, H, Dv], ``g``, ``beta`` [S, H]. The same rule with the sequences'
+    heads side by side; the products are taken as row vector times the
+    transposed state and the update as one batched outer product added in
+    place (fewer passes over the states than :func:`gdn_recurrent`'s, equal
+    to it to float32 rounding). Returns o [S, H, Dv] float32."""
+    n_seq, n_head, dv, dk = state.shape
     state.mul_(torch.exp(g.float())[..., None, None])
-    kt, qt = k.float(), q.float() * scale
-    sk = torch.matmul(state, kt[..., None]).squeeze(-1)                # [S, H, Dv]
+    kt = k.float()[..., None, :]                                        # [S, H, 1, Dk]
+    sk = torch.matmul(kt, state.transpose(-1, -2))[..., 0, :]           # [S, H, Dv]
     d = (v.float() - sk) * beta.float()[..., None]
-    state.add_(d[..., None] * kt[..., None, :])
-    return torch.matmul(state, qt[..., None]).squeeze(-1)
+    heads = state.view(n_seq * n_head, dv, dk) if state[0].is_contiguous() and (
+        n_seq == 1 or state.stride(0) == n_head * dv * dk) else None
+    if heads is not None:
+        heads.baddbmm_(d.reshape(-1, dv, 1), kt.reshape(-1, 1, dk))
+    else:                                                               # rows of the pool not adjacent
+        state.add_(d[..., None] * kt)
+    qt = (q.float() * dk ** -0.5)[..., None, :]
+    return torch.matmul(qt, state.transpose(-1, -2))[..., 0, :]
 
 
 def gdn_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
