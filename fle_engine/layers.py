@@ -16,6 +16,7 @@ Dk/Dv their widths.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,15 +152,30 @@ def one_token_each(sizes: list[int]) -> bool:
     return len(sizes) > 1 and all(n == 1 for n in sizes)
 
 
+_ROWS: dict = {}     # stacked_fields' views, by the ids of the tensors they stack (dropped with them)
+
+
 def stacked_fields(objs: list, names: tuple[str, ...]) -> tuple | None:
     """The fields ``names`` of ``objs`` (one layer's cache or carried state
     per sequence) as :func:`stacked` views ``[S, *shape]``, when every
-    field's tensors are rows of one pool; None otherwise."""
+    field's tensors are rows of one pool; None otherwise. The slots' rows
+    are the same tensors from step to step, so each view is made once and
+    kept (a view reads nothing and copies nothing) until the first of its
+    rows is gone."""
     out = []
     for name in names:
-        t = stacked([getattr(o, name) for o in objs])
+        ts = [getattr(o, name) for o in objs]
+        key = tuple(map(id, ts))
+        hit = _ROWS.get(key)
+        if hit is not None and all(r() is t for r, t in zip(hit[0], ts)):
+            out.append(hit[1])
+            continue
+        t = stacked(ts)
         if t is None:
             return None
+        _ROWS[key] = (tuple(weakref.ref(x) for x in ts), t)
+        for x in ts:
+            weakref.finalize(x, _ROWS.pop, key, None)
         out.append(t)
     return tuple(out)
 
@@ -168,11 +184,14 @@ class Rots(list):
     """A batched step's rotary inputs, one ``(positions, cos, sin)`` per
     sequence, which every attention layer of the step reads alike: their
     concatenations (:func:`rot_cat`) and what :func:`attention_batch`
-    derives from the positions are made once per step, not per layer."""
+    derives from the positions are made once per step, not per layer.
+    ``ends``: each sequence's length after the step, when the attention
+    layers get whole caches (:func:`attention_batch`)."""
 
-    def __init__(self, items=()):
+    def __init__(self, items=(), ends: list[int] | None = None):
         super().__init__(items)
         self.memo: dict = {}
+        self.ends = ends
 
 
 def rot_cat(rots: list, i: int) -> Tensor:
@@ -190,15 +209,24 @@ def rot_cat(rots: list, i: int) -> Tensor:
 def attention_batch(q: Tensor, k: Tensor, v: Tensor, caches: list, rots: list, sizes: list[int],
                     scale: float) -> Tensor:
     """:func:`attention` of several sequences' new tokens (``q``, ``k``, ``v``
-    concatenated, ``sizes`` each), each against its cache, a
-    :func:`live_view` ending at its last new token; ``rots``: each one's
-    ``(positions, cos, sin)``. One new token per sequence and caches that
-    are views of one pool (:func:`stacked`): one write, one score product
-    and one softmax for all of them, a sequence shorter than the longest
-    masked past its end; otherwise one :func:`attention` per sequence.
-    Returns [T, H * Dh]."""
-    if len(sizes) > 1 and all(n == 1 for n in sizes):
-        kp, vp = stacked([c.k for c in caches]), stacked([c.v for c in caches])
+    concatenated, ``sizes`` each), each against its cache up to its last
+    new token: a whole cache cut there (a :func:`live_view`) with
+    ``rots.ends`` (:class:`Rots`), else a cache given as such a view;
+    ``rots``: each one's ``(positions, cos, sin)``. One new token per
+    sequence and caches that are rows of one pool (:func:`stacked`): one
+    write, one score product and one softmax for all of them, a sequence
+    shorter than the longest masked past its end; otherwise one
+    :func:`attention` per sequence. Returns [T, H * Dh]."""
+    ends = getattr(rots, "ends", None)
+    if one_token_each(sizes):
+        if ends is not None:
+            pooled = stacked_fields(caches, ("k", "v"))
+            n_pos = max(ends)
+            kp, vp = (None, None) if pooled is None else (p[:, :, :n_pos] for p in pooled)
+            short = any(e < n_pos for e in ends)
+        else:
+            kp, vp = stacked([c.k for c in caches]), stacked([c.v for c in caches])
+            short = kp is not None and any(c.k.shape[1] < kp.shape[2] for c in caches)
         if kp is not None and vp is not None:
             n_seq, n_head, dh = q.shape
             n_kv, n_pos = kp.shape[1], kp.shape[2]
@@ -207,7 +235,7 @@ def attention_batch(q: Tensor, k: Tensor, v: Tensor, caches: list, rots: list, s
             if key not in memo:
                 pos = rot_cat(rots, 0)                                             # [S], each one's last position
                 past = None
-                if any(c.k.shape[1] < n_pos for c in caches):
+                if short:
                     past = (torch.arange(n_pos, device=q.device) > pos[:, None])[:, None, None, :]
                 memo[key] = (torch.arange(n_seq, device=q.device), pos, past)
             rows, pos, past = memo[key]
@@ -220,6 +248,8 @@ def attention_batch(q: Tensor, k: Tensor, v: Tensor, caches: list, rots: list, s
             probs = torch.softmax(scores.float(), dim=-1).to(vp.dtype)
             out = torch.matmul(probs, vp)                                          # [S, Hkv, G, Dh]
             return out.reshape(n_seq, n_head * dh).to(q.dtype)
+    if ends is not None:
+        caches = [live_view(c, e) for c, e in zip(caches, ends)]
     return torch.cat([attention(qi, ki, vi, c, r[0], scale, ends_here=True) for qi, ki, vi, c, r in
                       zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, rots)])
 

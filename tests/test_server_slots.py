@@ -136,6 +136,15 @@ def test_pooled_slot_states_step_as_one_by_one(factory, arch, monkeypatch):
     assert L.stacked([buf[0], buf[1], buf[2]]) is not None and L.stacked([buf[0], buf[2], buf[1]]) is None
     assert L.stacked([buf[0], buf[0]]) is None
     assert L.stacked([buf.view(-1)[:64].view(2, 8, 4), buf.view(-1)[32:96].view(2, 8, 4)]) is None
+    # stacked_fields keeps each view while its rows live, and sees rows change
+    c0, c1, c2 = (L.GDNState(buf[i], buf[i, :1]) for i in range(3))
+    first = L.stacked_fields([c0, c1], ("conv",))[0]
+    assert L.stacked_fields([c0, c1], ("conv",))[0] is first
+    assert L.stacked_fields([c0, c2], ("conv",))[0].stride(0) == 2 * buf.stride(0)
+    assert L.stacked_fields([c0, c1], ("conv", "ssm")) is None          # ssm: not whole rows of a pool
+    c1 = L.GDNState(buf[2], buf[2, :1])
+    again = L.stacked_fields([c0, c1], ("conv",))[0]
+    assert again is not first and again.stride(0) == 2 * buf.stride(0)
 
 
 # ---------------------------------------------------------------- parallel slots
