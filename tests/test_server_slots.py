@@ -28,6 +28,7 @@ from fle_engine.sampling import Sampler, SamplerParams, generate_tokens  # noqa:
 from fle_engine.server import Engine, create_app  # noqa: E402
 from fle_engine.server import cache as C  # noqa: E402
 from fle_engine.tokenizer import Tokenizer  # noqa: E402
+from fle_quant.errors import FleError  # noqa: E402
 from fle_quant.synth import make_model  # noqa: E402
 
 GREEDY = SamplerParams(temp=0.0, seed=0)
@@ -354,6 +355,89 @@ def test_prompt_cache_lru_and_limit():
     big = C.Snapshot(1, [{"k": torch.zeros(10**4)}], {})
     assert not pc.put([9], big, None)
     assert not C.PromptCache(0).put([1], snap, None)
+
+
+def test_prompt_cache_protected_entries():
+    """Entries with an owner (a protected slot's conversation) are evicted
+    only by entries of the same owner (least recently used first among
+    what a new entry may evict); others do not push them out, and one that
+    would fit only by doing so is not kept."""
+    t = torch.zeros(1024, dtype=torch.float32)   # 4 KiB
+    snap = C.Snapshot(1, [{"k": t}], {})
+    pc = C.PromptCache(3 * 4096 + 100)
+    assert pc.put([0, 1], snap, None, owner=0)
+    for i in range(1, 6):
+        assert pc.put([i, 1], snap, None)
+    assert [(e.tokens[0], e.owner) for e in pc.entries.values()] == [(0, 0), (4, None), (5, None)]
+    assert pc.put([6, 1], snap, None, owner=0)    # the owner's entries may push out its own and unowned ones
+    assert [(e.tokens[0], e.owner) for e in pc.entries.values()] == [(4, None), (5, None), (6, 0)]
+    assert pc.put([5, 1], snap, None, owner=0)    # the same tokens kept again: one entry, now owned
+    assert pc.put([7, 1], snap, None)
+    assert [(e.tokens[0], e.owner) for e in pc.entries.values()] == [(6, 0), (5, 0), (7, None)]
+    assert pc.put([6, 1], snap, None)             # ... and kept again unowned, it keeps its owner
+    assert [(e.tokens[0], e.owner) for e in pc.entries.values()] == [(5, 0), (7, None), (6, 0)]
+    assert pc.put([8, 1], snap, None, owner=0) and pc.put([10, 1], snap, None, owner=0)
+    assert [(e.tokens[0], e.owner) for e in pc.entries.values()] == [(6, 0), (8, 0), (10, 0)]
+    assert not pc.put([9, 1], snap, None)        # full of protected entries: not kept, none evicted
+    assert not pc.put([9, 1], snap, None, owner=1)   # another owner's entries are not evictable either
+    assert [e.tokens[0] for e in pc.entries.values()] == [6, 8, 10]
+    info = pc.info()
+    assert info["n_refused"] == 2 and info["n_protected"] == 3 and info["n_evicted"] == 7
+
+
+@pytest.mark.parametrize("protect", [(0,), ()])
+def test_protected_slot_conversation_survives_other_traffic(factory, protect):
+    """``--cache-protect-slot 0``: a conversation held on slot 0 (its
+    requests name slot 0) is pushed out of the slot by other traffic but
+    not out of the RAM prompt cache, which holds about two sequences; its
+    next turn is served from there and recomputes only the new tokens.
+    Without protection the other traffic evicts it."""
+    m, tok = factory["qwen3next"]
+    conv = [10 + (i * 37) % 300 for i in range(30)]
+    others = [[320 + (7 * j + i) % 150 for i in range(30)] for j in range(6)]
+    probe = m.new_state(64)
+    m.forward(conv + [1, 2, 3], probe)
+    entry = C.snapshot(probe, probe.length).nbytes + 4 * m.n_vocab
+    eng = Engine(m, tok, n_ctx=256, name="t", n_parallel=2, cache_ram_mib=2.5 * entry / 2**20,
+                 cache_protect_slots=protect)
+    assert [s["cache_protected"] for s in eng.slots_info()] == [bool(protect), False]
+    greedy = {"temperature": 0, "ignore_eos": True, "return_tokens": True}
+
+    async def fn(client):
+        r1 = await (await client.post("/completion", json={"prompt": conv, "n_predict": 4, "id_slot": 0,
+                                                           **greedy})).json()
+        # two other requests at once: the second can only take slot 0, whose conversation goes to the cache
+        long = asyncio.create_task(client.post("/completion", json={"prompt": others[0], "n_predict": 40,
+                                                                     **greedy}))
+        while not (await (await client.get("/slots")).json())[1]["is_processing"]:
+            await asyncio.sleep(0.005)
+        await client.post("/completion", json={"prompt": others[1], "n_predict": 4, **greedy})
+        await long
+        for p in others[2:]:                       # more traffic than the cache holds
+            await client.post("/completion", json={"prompt": p, "n_predict": 4, **greedy})
+        follow = conv + r1["tokens"] + [5, 6, 7]
+        r2 = await (await client.post("/completion", json={"prompt": follow, "n_predict": 4, "id_slot": 0,
+                                                           **greedy})).json()
+        return r1, follow, r2
+
+    r1, follow, r2 = call(eng, fn)
+    info = eng.cache.info()
+    held = len(conv) + len(r1["tokens"]) - 1
+    assert info["n_evicted"] >= 2
+    if protect:
+        assert info["n_protected"] >= 1
+        assert r2["timings"]["cache_n"] == held and r2["timings"]["prompt_n"] == len(follow) - held
+        assert r2["content"] == tok.decode(cold(m, tok, follow, 4, ignore_eos=True))
+    else:
+        assert r2["timings"]["cache_n"] == 0
+
+
+def test_protected_slot_needs_the_prompt_cache(factory):
+    m, tok = factory["qwen3moe"]
+    with pytest.raises(FleError, match="cache-ram"):
+        Engine(m, tok, n_ctx=128, name="t", n_parallel=2, cache_protect_slots=[0])
+    with pytest.raises(FleError, match="slots 0..1"):
+        Engine(m, tok, n_ctx=128, name="t", n_parallel=2, cache_ram_mib=8, cache_protect_slots=[2])
 
 
 def test_usable_prefix_rules():
