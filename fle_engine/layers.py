@@ -26,9 +26,8 @@ from torch import Tensor, nn
 
 __all__ = [
     "rms_norm", "rope_table", "apply_rope_neox", "AttnCache", "attention", "attention_batch", "stacked",
-    "stacked_fields", "one_token_each", "Rots",
-    "rot_cat", "swiglu", "MoE", "MoECapture", "MoERecord", "GDNState", "causal_conv1d", "conv_step_rows", "l2_norm",
-    "gdn_recurrent", "gdn_step_rows", "gdn_chunked", "State",
+    "stacked_fields", "one_token_each", "Rots", "rot_cat", "swiglu", "MoE", "MoECapture", "MoERecord", "GDNState",
+    "causal_conv1d", "conv_step_rows", "l2_norm", "gdn_recurrent", "gdn_step_rows", "gdn_chunked", "State",
 ]
 
 

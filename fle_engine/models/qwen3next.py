@@ -189,8 +189,9 @@ class GatedDeltaNet(nn.Module):
         """:meth:`_delta` of S sequences' one new token each (``qkv`` [S, C],
         ``beta``, ``g`` [S, Hv]) whose states are the rows of ``pool``
         (``conv`` [S, K-1, C], ``ssm`` [S, Hv, Dv, Dk], updated in place):
-        the same arithmetic, with the sequences' heads side by side as one
-        step's heads. Returns [S, Hv, Dv]."""
+        the same conv and rule on all of them at once
+        (:func:`~fle_engine.layers.conv_step_rows`,
+        :func:`~fle_engine.layers.gdn_step_rows`). Returns [S, Hv, Dv]."""
         a = self.a
         n, dk, nk, nv = qkv.shape[0], a.d_state, a.n_k_heads, a.n_v_heads
         conv = F.silu(L.conv_step_rows(qkv, pool.conv, self.conv))
