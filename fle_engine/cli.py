@@ -127,6 +127,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-ram", type=float, default=0, dest="cache_ram", metavar="MiB",
                    help="RAM prompt cache: finished sequences' states kept up to this many MiB, least recently "
                         "used out first; 0 = off (default: 0)")
+    s.add_argument("--cache-protect-slot", type=int, action="append", default=[], dest="cache_protect_slot",
+                   metavar="ID",
+                   help="keep the conversation of slot ID (the requests naming it with id_slot) in the RAM prompt "
+                        "cache: other slots' traffic does not evict it, and requests naming no slot take slot ID "
+                        "only when no other slot is idle; repeatable; needs --cache-ram")
     s.add_argument("--slot-save-path", default=None, dest="slot_save_path", metavar="DIR",
                    help="folder for POST /slots/{id}?action=save|restore")
     s.add_argument("--api-key", default=None, dest="api_key", metavar="KEY",
@@ -384,7 +389,8 @@ def _serve(args) -> int:
                  threads=args.threads, mtp=args.mtp, mtp_head=args.mtp_head, n_draft=args.draft_max,
                  draft_vocab=args.draft_vocab, draft_vocab_corpus=args.draft_vocab_corpus,
                  draft_adaptive=args.draft_adaptive, alias=args.alias, runtime=runtime, n_parallel=args.parallel, cache_ram=args.cache_ram,
-                 slot_save_path=args.slot_save_path, api_key=args.api_key)
+                 slot_save_path=args.slot_save_path, api_key=args.api_key,
+                 cache_protect_slots=tuple(args.cache_protect_slot))
 
 
 @cli_entry("fle-engine")

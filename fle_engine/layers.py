@@ -16,6 +16,7 @@ Dk/Dv their widths.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,9 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    "rms_norm", "rope_table", "apply_rope_neox", "AttnCache", "attention", "attention_batch", "stacked", "Rots",
-    "rot_cat", "swiglu", "MoE", "MoECapture", "MoERecord", "GDNState", "causal_conv1d", "l2_norm", "gdn_recurrent",
-    "gdn_chunked", "State",
+    "rms_norm", "rope_table", "apply_rope_neox", "AttnCache", "attention", "attention_batch", "stacked",
+    "stacked_fields", "one_token_each", "Rots", "rot_cat", "swiglu", "MoE", "MoECapture", "MoERecord", "GDNState",
+    "causal_conv1d", "conv_step_rows", "l2_norm", "gdn_recurrent", "gdn_step_rows", "gdn_chunked", "State",
 ]
 
 
@@ -144,15 +145,52 @@ def stacked(ts: list[Tensor]) -> Tensor | None:
     return pool[rows[0]:rows[-1] + 1:step, :, :n] if cut else pool[rows[0]:rows[-1] + 1:step]
 
 
+def one_token_each(sizes: list[int]) -> bool:
+    """Whether a batched call brings several sequences one new token each
+    (a batched decode step)."""
+    return len(sizes) > 1 and all(n == 1 for n in sizes)
+
+
+_ROWS: dict = {}     # stacked_fields' views, by the ids of the tensors they stack (dropped with them)
+
+
+def stacked_fields(objs: list, names: tuple[str, ...]) -> tuple | None:
+    """The fields ``names`` of ``objs`` (one layer's cache or carried state
+    per sequence) as :func:`stacked` views ``[S, *shape]``, when every
+    field's tensors are rows of one pool; None otherwise. The slots' rows
+    are the same tensors from step to step, so each view is made once and
+    kept (a view reads nothing and copies nothing) until the first of its
+    rows is gone."""
+    out = []
+    for name in names:
+        ts = [getattr(o, name) for o in objs]
+        key = tuple(map(id, ts))
+        hit = _ROWS.get(key)
+        if hit is not None and all(r() is t for r, t in zip(hit[0], ts)):
+            out.append(hit[1])
+            continue
+        t = stacked(ts)
+        if t is None:
+            return None
+        _ROWS[key] = (tuple(weakref.ref(x) for x in ts), t)
+        for x in ts:
+            weakref.finalize(x, _ROWS.pop, key, None)
+        out.append(t)
+    return tuple(out)
+
+
 class Rots(list):
     """A batched step's rotary inputs, one ``(positions, cos, sin)`` per
     sequence, which every attention layer of the step reads alike: their
     concatenations (:func:`rot_cat`) and what :func:`attention_batch`
-    derives from the positions are made once per step, not per layer."""
+    derives from the positions are made once per step, not per layer.
+    ``ends``: each sequence's length after the step, when the attention
+    layers get whole caches (:func:`attention_batch`)."""
 
-    def __init__(self, items=()):
+    def __init__(self, items=(), ends: list[int] | None = None):
         super().__init__(items)
         self.memo: dict = {}
+        self.ends = ends
 
 
 def rot_cat(rots: list, i: int) -> Tensor:
@@ -170,15 +208,24 @@ def rot_cat(rots: list, i: int) -> Tensor:
 def attention_batch(q: Tensor, k: Tensor, v: Tensor, caches: list, rots: list, sizes: list[int],
                     scale: float) -> Tensor:
     """:func:`attention` of several sequences' new tokens (``q``, ``k``, ``v``
-    concatenated, ``sizes`` each), each against its cache, a
-    :func:`live_view` ending at its last new token; ``rots``: each one's
-    ``(positions, cos, sin)``. One new token per sequence and caches that
-    are views of one pool (:func:`stacked`): one write, one score product
-    and one softmax for all of them, a sequence shorter than the longest
-    masked past its end; otherwise one :func:`attention` per sequence.
-    Returns [T, H * Dh]."""
-    if len(sizes) > 1 and all(n == 1 for n in sizes):
-        kp, vp = stacked([c.k for c in caches]), stacked([c.v for c in caches])
+    concatenated, ``sizes`` each), each against its cache up to its last
+    new token: a whole cache cut there (a :func:`live_view`) with
+    ``rots.ends`` (:class:`Rots`), else a cache given as such a view;
+    ``rots``: each one's ``(positions, cos, sin)``. One new token per
+    sequence and caches that are rows of one pool (:func:`stacked`): one
+    write, one score product and one softmax for all of them, a sequence
+    shorter than the longest masked past its end; otherwise one
+    :func:`attention` per sequence. Returns [T, H * Dh]."""
+    ends = getattr(rots, "ends", None)
+    if one_token_each(sizes):
+        if ends is not None:
+            pooled = stacked_fields(caches, ("k", "v"))
+            n_pos = max(ends)
+            kp, vp = (None, None) if pooled is None else (p[:, :, :n_pos] for p in pooled)
+            short = any(e < n_pos for e in ends)
+        else:
+            kp, vp = stacked([c.k for c in caches]), stacked([c.v for c in caches])
+            short = kp is not None and any(c.k.shape[1] < kp.shape[2] for c in caches)
         if kp is not None and vp is not None:
             n_seq, n_head, dh = q.shape
             n_kv, n_pos = kp.shape[1], kp.shape[2]
@@ -187,7 +234,7 @@ def attention_batch(q: Tensor, k: Tensor, v: Tensor, caches: list, rots: list, s
             if key not in memo:
                 pos = rot_cat(rots, 0)                                             # [S], each one's last position
                 past = None
-                if any(c.k.shape[1] < n_pos for c in caches):
+                if short:
                     past = (torch.arange(n_pos, device=q.device) > pos[:, None])[:, None, None, :]
                 memo[key] = (torch.arange(n_seq, device=q.device), pos, past)
             rows, pos, past = memo[key]
@@ -200,6 +247,8 @@ def attention_batch(q: Tensor, k: Tensor, v: Tensor, caches: list, rots: list, s
             probs = torch.softmax(scores.float(), dim=-1).to(vp.dtype)
             out = torch.matmul(probs, vp)                                          # [S, Hkv, G, Dh]
             return out.reshape(n_seq, n_head * dh).to(q.dtype)
+    if ends is not None:
+        caches = [live_view(c, e) for c, e in zip(caches, ends)]
     return torch.cat([attention(qi, ki, vi, c, r[0], scale, ends_here=True) for qi, ki, vi, c, r in
                       zip(q.split(sizes), k.split(sizes), v.split(sizes), caches, rots)])
 
@@ -460,6 +509,19 @@ def causal_conv1d(x: Tensor, conv_state: Tensor, weight: Tensor) -> tuple[Tensor
     return y, full[full.shape[0] - n_keep:]
 
 
+def conv_step_rows(x: Tensor, conv: Tensor, weight: Tensor) -> Tensor:
+    """:func:`causal_conv1d` of S sequences' one new token each: ``x``
+    [S, C], ``conv`` [S, K-1, C] their histories (rows of one pool, see
+    :func:`stacked`; updated in place). Each row's arithmetic is the
+    sequence's own. Returns y [S, C]."""
+    full = torch.cat([conv.to(x.dtype), x[:, None]], dim=1)            # [S, K, C]
+    y = torch.zeros_like(x)
+    for i in range(weight.shape[1]):                                    # K taps, a static loop
+        y = y + full[:, i] * weight[:, i]
+    conv.copy_(full[:, 1:])
+    return y
+
+
 def l2_norm(x: Tensor, eps: float) -> Tensor:
     """llama.cpp's GDN L2 norm: x / sqrt(sum x^2 + eps) over the last axis
     (``build_gdn_l2_norm``: rms_norm with eps/n, scaled by 1/sqrt(n))."""
@@ -483,6 +545,30 @@ def gdn_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, stat
         s = s + d[:, :, None] * kt[:, None, :]
         outs.append(torch.matmul(s, qt[:, :, None]).squeeze(-1))
     return torch.stack(outs, 0), s
+
+
+def gdn_step_rows(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
+    """:func:`gdn_recurrent` of one token for each of S sequences, on their
+    states ``state`` [S, H, Dv, Dk] float32 (rows of one pool, see
+    :func:`stacked`), updated in place: ``q``, ``k`` [S, H, Dk], ``v``
+    [S, H, Dv], ``g``, ``beta`` [S, H]. The same rule with the sequences'
+    heads side by side; the products are taken as row vector times the
+    transposed state and the update as one batched outer product added in
+    place (fewer passes over the states than :func:`gdn_recurrent`'s, equal
+    to it to float32 rounding). Returns o [S, H, Dv] float32."""
+    n_seq, n_head, dv, dk = state.shape
+    state.mul_(torch.exp(g.float())[..., None, None])
+    kt = k.float()[..., None, :]                                        # [S, H, 1, Dk]
+    sk = torch.matmul(kt, state.transpose(-1, -2))[..., 0, :]           # [S, H, Dv]
+    d = (v.float() - sk) * beta.float()[..., None]
+    heads = state.view(n_seq * n_head, dv, dk) if state[0].is_contiguous() and (
+        n_seq == 1 or state.stride(0) == n_head * dv * dk) else None
+    if heads is not None:
+        heads.baddbmm_(d.reshape(-1, dv, 1), kt.reshape(-1, 1, dk))
+    else:                                                               # rows of the pool not adjacent
+        state.add_(d[..., None] * kt)
+    qt = (q.float() * dk ** -0.5)[..., None, :]
+    return torch.matmul(qt, state.transpose(-1, -2))[..., 0, :]
 
 
 def gdn_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,

@@ -182,6 +182,34 @@ def test_causal_conv_matches_direct_sum():
     torch.testing.assert_close(torch.cat(ys), y)
 
 
+@pytest.mark.parametrize("rows", [[0, 1], [1, 2], [0, 2], [0, 1, 2]])
+def test_gdn_and_conv_step_rows_equal_one_sequence_each(rows):
+    """A batched decode step's conv and delta rule on states that are rows
+    of one pool (adjacent or not) update each row as the sequence's own
+    step would, to float32 rounding."""
+    g = torch.Generator().manual_seed(1)
+    h, d, c = 4, 16, 24
+    ssm = torch.randn(3, h, d, d, generator=g) * 0.1
+    conv = torch.randn(3, 3, c, generator=g)
+    ssm_ref, conv_ref = ssm.clone(), conv.clone()
+    n = len(rows)
+    q, k = (layers.l2_norm(torch.randn(n, h, d, generator=g), 1e-6) for _ in range(2))
+    v, x, w = torch.randn(n, h, d, generator=g), torch.randn(n, c, generator=g), torch.randn(c, 4, generator=g)
+    gate, beta = -torch.rand(n, h, generator=g) * torch.tensor([0.05, 1.0, 3.0, 30.0]), torch.rand(n, h, generator=g)
+    o = layers.gdn_step_rows(q, k, v, gate, beta, layers.stacked([ssm[r] for r in rows]))
+    y = layers.conv_step_rows(x, layers.stacked([conv[r] for r in rows]), w)
+    for i, r in enumerate(rows):
+        o1, s1 = layers.gdn_recurrent(q[i:i + 1], k[i:i + 1], v[i:i + 1], gate[i:i + 1], beta[i:i + 1], ssm_ref[r])
+        torch.testing.assert_close(o[i], o1[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ssm[r], s1, rtol=1e-5, atol=1e-6)
+        y1, c1 = layers.causal_conv1d(x[i:i + 1], conv_ref[r], w)
+        torch.testing.assert_close(y[i], y1[0], rtol=0, atol=0)
+        torch.testing.assert_close(conv[r], c1, rtol=0, atol=0)
+    untouched = [r for r in range(3) if r not in rows]
+    for r in untouched:
+        torch.testing.assert_close(ssm[r], ssm_ref[r], rtol=0, atol=0)
+
+
 def test_rope_table_and_neox_pairs():
     cos, sin = layers.rope_table(8, 10000.0, 5)
     want = np.arange(5)[:, None] * 10000.0 ** (-np.arange(0, 8, 2) / 8)

@@ -662,7 +662,7 @@ def test_cli_serve_help_and_errors(model_path, tmp_path, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     for opt in ("--host", "--port", "--ctx-size", "--device", "--threads", "--mtp", "--mtp-head", "--alias",
-                "--parallel", "--cache-ram", "--slot-save-path", "--api-key"):
+                "--parallel", "--cache-ram", "--cache-protect-slot", "--slot-save-path", "--api-key"):
         assert opt in out
     bad = [
         ["serve", str(tmp_path / "missing.gguf")],
@@ -672,6 +672,8 @@ def test_cli_serve_help_and_errors(model_path, tmp_path, capsys):
         ["serve", str(model_path), "--mtp"],            # the factory qwen3moe has no MTP head
         ["serve", str(model_path), "-np", "0"],
         ["serve", str(model_path), "--cache-ram", "-5"],
+        ["serve", str(model_path), "--cache-protect-slot", "0"],            # no --cache-ram
+        ["serve", str(model_path), "--cache-ram", "64", "--cache-protect-slot", "2"],   # slots 0..1
     ]
     for argv in bad:
         assert engine_main(argv) == 2, argv

@@ -28,6 +28,7 @@ from fle_engine.sampling import Sampler, SamplerParams, generate_tokens  # noqa:
 from fle_engine.server import Engine, create_app  # noqa: E402
 from fle_engine.server import cache as C  # noqa: E402
 from fle_engine.tokenizer import Tokenizer  # noqa: E402
+from fle_quant.errors import FleError  # noqa: E402
 from fle_quant.synth import make_model  # noqa: E402
 
 GREEDY = SamplerParams(temp=0.0, seed=0)
@@ -75,26 +76,47 @@ def test_forward_batch_equals_one_by_one(factory, arch):
     assert t1.length == s1.length and t2.length == s2.length
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
-def test_pooled_slot_states_step_as_one_by_one(factory, arch):
-    """With several slots, the slots' attention caches (and GDN states) are
-    rows of one buffer per layer, and a decode step of sequences of unequal
-    lengths attends for all of them at once (the shorter masked past its
-    end) and runs the delta rule for all at once."""
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pooled_slot_states_step_as_one_by_one(factory, arch, monkeypatch):
+    """With several slots, the slots' attention caches (and GDN states,
+    qwen4exp's indexer keys and PLE histories) are rows of one buffer per
+    layer, and a decode step of sequences of unequal lengths attends for all
+    of them at once (the shorter masked past its end, each under its own
+    QSA selection) and runs the delta rule and the PLE for all at once."""
     m, tok = factory[arch]
-    eng = Engine(m, tok, n_ctx=64, name="t", n_parallel=2)
+    eng = Engine(m, tok, n_ctx=128, name="t", n_parallel=2)
     t1, t2 = (eng._new_state(s) for s in eng.slots)
-    att = [il for il, c in enumerate(t1.layers) if type(c) is L.AttnCache]
+    att = [il for il, c in enumerate(t1.layers) if isinstance(c, L.AttnCache)]
     assert att
     for il in att:
         assert L.stacked([t1.layers[il].k, t2.layers[il].k]) is not None
-        assert L.stacked([L.live_view(t1.layers[il], 5).k, L.live_view(t2.layers[il], 9).k]).shape[2] == 9
+        if type(t1.layers[il]) is L.AttnCache:       # qwen4exp's attention reads whole caches
+            assert L.stacked([L.live_view(t1.layers[il], 5).k, L.live_view(t2.layers[il], 9).k]).shape[2] == 9
+        if getattr(t1.layers[il], "idx", None) is not None:
+            assert L.stacked([t1.layers[il].idx, t2.layers[il].idx]).shape == (2, *t1.layers[il].idx.shape)
     for c1, c2 in zip(t1.layers, t2.layers):
         if type(c1) is L.GDNState:
             assert L.stacked([c1.conv, c2.conv]).shape == (2, *c1.conv.shape)
             assert L.stacked([c1.ssm, c2.ssm]).shape == (2, *c1.ssm.shape)
-    s1, s2 = m.new_state(32), m.new_state(32)
-    pa, pb = [1, 5, 9, 200, 7, 3], [3, 4, 8]
+    if getattr(t1, "ple", None) is not None:
+        assert L.stacked_fields([t1.ple, t2.ple], ("tokens", "conv")) is not None
+        torch.testing.assert_close(t1.ple.tokens, m.new_state(8).ple.tokens)    # the new state's values (EOS)
+    kept = []                                 # (cells kept, cells before and at the query) of QSA selections
+    if arch == "qwen4exp":
+        from fle_engine.models import qwen4exp as Q
+
+        keep_cells = Q.QSAttention._keep
+
+        def spy(self, score, positions, n_pos):
+            keep = keep_cells(self, score, positions, n_pos)
+            kept.append((keep.sum(-1), positions + 1))
+            return keep
+
+        monkeypatch.setattr(Q.QSAttention, "_keep", spy)
+    s1, s2 = m.new_state(64), m.new_state(64)
+    # prompts long enough that a QSA layer's indexer leaves blocks out
+    pa = [(7 * i + 3) % 500 for i in range(37)]
+    pb = [(11 * i + 5) % 500 for i in range(23)]
     ref = [m.forward(pa, s1), m.forward(pb, s2)]
     got = m.forward_batch([pa, pb], [t1, t2])
     for step in range(6):
@@ -106,6 +128,8 @@ def test_pooled_slot_states_step_as_one_by_one(factory, arch):
     got += m.forward_batch([[31], [32]], [t1, t2])
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+    if arch == "qwen4exp":                    # a batched step's selection left cells out of both rows
+        assert any(n.shape[0] == 2 and bool((n < c).all()) for n, c in kept)
     # separate tensors, and views that overlap or are unequally spaced, are not one pool
     a, b = torch.zeros(2, 8, 4), torch.zeros(2, 8, 4)
     assert L.stacked([a, b]) is None
@@ -113,6 +137,15 @@ def test_pooled_slot_states_step_as_one_by_one(factory, arch):
     assert L.stacked([buf[0], buf[1], buf[2]]) is not None and L.stacked([buf[0], buf[2], buf[1]]) is None
     assert L.stacked([buf[0], buf[0]]) is None
     assert L.stacked([buf.view(-1)[:64].view(2, 8, 4), buf.view(-1)[32:96].view(2, 8, 4)]) is None
+    # stacked_fields keeps each view while its rows live, and sees rows change
+    c0, c1, c2 = (L.GDNState(buf[i], buf[i, :1]) for i in range(3))
+    first = L.stacked_fields([c0, c1], ("conv",))[0]
+    assert L.stacked_fields([c0, c1], ("conv",))[0] is first
+    assert L.stacked_fields([c0, c2], ("conv",))[0].stride(0) == 2 * buf.stride(0)
+    assert L.stacked_fields([c0, c1], ("conv", "ssm")) is None          # ssm: not whole rows of a pool
+    c1 = L.GDNState(buf[2], buf[2, :1])
+    again = L.stacked_fields([c0, c1], ("conv",))[0]
+    assert again is not first and again.stride(0) == 2 * buf.stride(0)
 
 
 # ---------------------------------------------------------------- parallel slots
@@ -145,7 +178,7 @@ def test_two_slots_run_at_once_and_answer_as_cold_runs(factory):
     assert eng.n_rounds - rounds_before[0] < 24 + 24
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_two_slots_answer_as_one_slot(factory, arch):
     """Greedy answers of 4 requests at once (prompts of unequal lengths, so
     the batched attention masks the shorter sequence) are the same on 2
@@ -164,7 +197,7 @@ def test_two_slots_answer_as_one_slot(factory, arch):
 
         out = call(eng, fn)
         if n_par > 1:
-            k0, k1 = (next(c.k for c in s.state.layers if type(c) is L.AttnCache) for s in eng.slots)
+            k0, k1 = (next(c.k for c in s.state.layers if isinstance(c, L.AttnCache)) for s in eng.slots)
             assert k0._base is not None and k0._base is k1._base
         return out
 
@@ -322,6 +355,89 @@ def test_prompt_cache_lru_and_limit():
     big = C.Snapshot(1, [{"k": torch.zeros(10**4)}], {})
     assert not pc.put([9], big, None)
     assert not C.PromptCache(0).put([1], snap, None)
+
+
+def test_prompt_cache_protected_entries():
+    """Entries with an owner (a protected slot's conversation) are evicted
+    only by entries of the same owner (least recently used first among
+    what a new entry may evict); others do not push them out, and one that
+    would fit only by doing so is not kept."""
+    t = torch.zeros(1024, dtype=torch.float32)   # 4 KiB
+    snap = C.Snapshot(1, [{"k": t}], {})
+    pc = C.PromptCache(3 * 4096 + 100)
+    assert pc.put([0, 1], snap, None, owner=0)
+    for i in range(1, 6):
+        assert pc.put([i, 1], snap, None)
+    assert [(e.tokens[0], e.owner) for e in pc.entries.values()] == [(0, 0), (4, None), (5, None)]
+    assert pc.put([6, 1], snap, None, owner=0)    # the owner's entries may push out its own and unowned ones
+    assert [(e.tokens[0], e.owner) for e in pc.entries.values()] == [(4, None), (5, None), (6, 0)]
+    assert pc.put([5, 1], snap, None, owner=0)    # the same tokens kept again: one entry, now owned
+    assert pc.put([7, 1], snap, None)
+    assert [(e.tokens[0], e.owner) for e in pc.entries.values()] == [(6, 0), (5, 0), (7, None)]
+    assert pc.put([6, 1], snap, None)             # ... and kept again unowned, it keeps its owner
+    assert [(e.tokens[0], e.owner) for e in pc.entries.values()] == [(5, 0), (7, None), (6, 0)]
+    assert pc.put([8, 1], snap, None, owner=0) and pc.put([10, 1], snap, None, owner=0)
+    assert [(e.tokens[0], e.owner) for e in pc.entries.values()] == [(6, 0), (8, 0), (10, 0)]
+    assert not pc.put([9, 1], snap, None)        # full of protected entries: not kept, none evicted
+    assert not pc.put([9, 1], snap, None, owner=1)   # another owner's entries are not evictable either
+    assert [e.tokens[0] for e in pc.entries.values()] == [6, 8, 10]
+    info = pc.info()
+    assert info["n_refused"] == 2 and info["n_protected"] == 3 and info["n_evicted"] == 7
+
+
+@pytest.mark.parametrize("protect", [(0,), ()])
+def test_protected_slot_conversation_survives_other_traffic(factory, protect):
+    """``--cache-protect-slot 0``: a conversation held on slot 0 (its
+    requests name slot 0) is pushed out of the slot by other traffic but
+    not out of the RAM prompt cache, which holds about two sequences; its
+    next turn is served from there and recomputes only the new tokens.
+    Without protection the other traffic evicts it."""
+    m, tok = factory["qwen3next"]
+    conv = [10 + (i * 37) % 300 for i in range(30)]
+    others = [[320 + (7 * j + i) % 150 for i in range(30)] for j in range(6)]
+    probe = m.new_state(64)
+    m.forward(conv + [1, 2, 3], probe)
+    entry = C.snapshot(probe, probe.length).nbytes + 4 * m.n_vocab
+    eng = Engine(m, tok, n_ctx=256, name="t", n_parallel=2, cache_ram_mib=2.5 * entry / 2**20,
+                 cache_protect_slots=protect)
+    assert [s["cache_protected"] for s in eng.slots_info()] == [bool(protect), False]
+    greedy = {"temperature": 0, "ignore_eos": True, "return_tokens": True}
+
+    async def fn(client):
+        r1 = await (await client.post("/completion", json={"prompt": conv, "n_predict": 4, "id_slot": 0,
+                                                           **greedy})).json()
+        # two other requests at once: the second can only take slot 0, whose conversation goes to the cache
+        long = asyncio.create_task(client.post("/completion", json={"prompt": others[0], "n_predict": 40,
+                                                                     **greedy}))
+        while not (await (await client.get("/slots")).json())[1]["is_processing"]:
+            await asyncio.sleep(0.005)
+        await client.post("/completion", json={"prompt": others[1], "n_predict": 4, **greedy})
+        await long
+        for p in others[2:]:                       # more traffic than the cache holds
+            await client.post("/completion", json={"prompt": p, "n_predict": 4, **greedy})
+        follow = conv + r1["tokens"] + [5, 6, 7]
+        r2 = await (await client.post("/completion", json={"prompt": follow, "n_predict": 4, "id_slot": 0,
+                                                           **greedy})).json()
+        return r1, follow, r2
+
+    r1, follow, r2 = call(eng, fn)
+    info = eng.cache.info()
+    held = len(conv) + len(r1["tokens"]) - 1
+    assert info["n_evicted"] >= 2
+    if protect:
+        assert info["n_protected"] >= 1
+        assert r2["timings"]["cache_n"] == held and r2["timings"]["prompt_n"] == len(follow) - held
+        assert r2["content"] == tok.decode(cold(m, tok, follow, 4, ignore_eos=True))
+    else:
+        assert r2["timings"]["cache_n"] == 0
+
+
+def test_protected_slot_needs_the_prompt_cache(factory):
+    m, tok = factory["qwen3moe"]
+    with pytest.raises(FleError, match="cache-ram"):
+        Engine(m, tok, n_ctx=128, name="t", n_parallel=2, cache_protect_slots=[0])
+    with pytest.raises(FleError, match="slots 0..1"):
+        Engine(m, tok, n_ctx=128, name="t", n_parallel=2, cache_ram_mib=8, cache_protect_slots=[2])
 
 
 def test_usable_prefix_rules():

@@ -244,11 +244,11 @@ class Transformer(nn.Module):
         to ``states[i]``; the token-wise work (embedding, MoE, head) runs on
         all tokens together. Returns each sequence's logits."""
         sizes = [t.shape[0] for t in tokens]
-        rots = L.Rots(advance(s, n) for s, n in zip(states, sizes))
-        x = F.embedding(torch.cat(tokens), self.tok_embd)
         ends = [s.length + n for s, n in zip(states, sizes)]      # each sequence's length after this step
-        for il, layer in enumerate(self.layers):
-            x = layer.forward_batch(x, sizes, [L.live_view(s.layers[il], e) for s, e in zip(states, ends)], rots)
+        rots = L.Rots((advance(s, n) for s, n in zip(states, sizes)), ends)
+        x = F.embedding(torch.cat(tokens), self.tok_embd)
+        for il, layer in enumerate(self.layers):       # the attention reads each cache up to its end (rots.ends)
+            x = layer.forward_batch(x, sizes, [s.layers[il] for s in states], rots)
         h = L.rms_norm(x, self.output_norm, self.args.eps)
         logits = F.linear(h, self.output)
         out = []

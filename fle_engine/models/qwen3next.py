@@ -189,25 +189,18 @@ class GatedDeltaNet(nn.Module):
         """:meth:`_delta` of S sequences' one new token each (``qkv`` [S, C],
         ``beta``, ``g`` [S, Hv]) whose states are the rows of ``pool``
         (``conv`` [S, K-1, C], ``ssm`` [S, Hv, Dv, Dk], updated in place):
-        the same arithmetic, with the sequences' heads side by side as one
-        step's heads. Returns [S, Hv, Dv]."""
+        the same conv and rule on all of them at once
+        (:func:`~fle_engine.layers.conv_step_rows`,
+        :func:`~fle_engine.layers.gdn_step_rows`). Returns [S, Hv, Dv]."""
         a = self.a
         n, dk, nk, nv = qkv.shape[0], a.d_state, a.n_k_heads, a.n_v_heads
-        full = torch.cat([pool.conv.to(qkv.dtype), qkv[:, None]], dim=1)      # [S, K, C]
-        conv = torch.zeros_like(qkv)
-        for i in range(self.conv.shape[1]):                                 # as causal_conv1d, per sequence
-            conv = conv + full[:, i] * self.conv[:, i]
-        pool.conv.copy_(full[:, 1:])
-        conv = F.silu(conv)
+        conv = F.silu(L.conv_step_rows(qkv, pool.conv, self.conv))
         q = conv[:, :dk * nk].view(n, nk, dk)
         k = conv[:, dk * nk:2 * dk * nk].view(n, nk, dk)
         v = conv[:, 2 * dk * nk:].view(n, nv, dk)
-        q = L.l2_norm(q, a.eps)[:, :, None].expand(n, nk, nv // nk, dk).reshape(1, n * nv, dk)
-        k = L.l2_norm(k, a.eps)[:, :, None].expand(n, nk, nv // nk, dk).reshape(1, n * nv, dk)
-        o, s = L.gdn_recurrent(q, k, v.reshape(1, n * nv, dk), g.reshape(1, n * nv), beta.reshape(1, n * nv),
-                               pool.ssm.reshape(n * nv, *pool.ssm.shape[2:]))
-        pool.ssm.copy_(s.view(pool.ssm.shape))
-        return o.view(n, nv, -1)
+        q = L.l2_norm(q, a.eps)[:, :, None].expand(n, nk, nv // nk, dk).reshape(n, nv, dk)
+        k = L.l2_norm(k, a.eps)[:, :, None].expand(n, nk, nv // nk, dk).reshape(n, nv, dk)
+        return L.gdn_step_rows(q, k, v, g, beta, pool.ssm)
 
     def forward_batch(self, x: Tensor, sizes: list[int], states: list) -> Tensor:
         """Several sequences: the projections, norm and output on all tokens
@@ -220,12 +213,9 @@ class GatedDeltaNet(nn.Module):
         z = F.linear(x, self.wz).view(n_tok, nv, dk)
         beta_all = torch.sigmoid(F.linear(x, self.wb))                  # [T, Hv]
         g_all = F.softplus(F.linear(x, self.wa) + self.dt_bias) * self.ssm_a
-        pooled = None
-        if len(sizes) > 1 and all(n == 1 for n in sizes):
-            conv, ssm = L.stacked([s.conv for s in states]), L.stacked([s.ssm for s in states])
-            pooled = None if conv is None or ssm is None else L.GDNState(conv, ssm)
+        pooled = L.stacked_fields(states, ("conv", "ssm")) if L.one_token_each(sizes) else None
         if pooled is not None:
-            o = self._delta_step(qkv_all, beta_all, g_all, pooled).to(x.dtype)
+            o = self._delta_step(qkv_all, beta_all, g_all, L.GDNState(*pooled)).to(x.dtype)
         else:
             outs = [self._delta(qkv, beta, g, state).to(x.dtype) for qkv, beta, g, state in
                     zip(qkv_all.split(sizes), beta_all.split(sizes), g_all.split(sizes), states)]

@@ -275,32 +275,42 @@ class GatedDeltaNet(nn.Module):
     def forward_batch(self, x: Tensor, sizes: list[int], states: list[L.GDNState]) -> Tensor:
         """Several sequences' tokens ``x`` (concatenated, ``sizes`` each):
         projections, norms and gates on all of them at once, the causal conv
-        and the delta rule per sequence on its own state."""
+        and the delta rule per sequence on its own state, or, for one new
+        token each with states that are rows of one pool
+        (:func:`~fle_engine.layers.stacked`), for all at once."""
         a = self.a
         n_tok, dk, nk, nv = x.shape[0], a.d_state, a.n_k_heads, a.n_v_heads
         z = F.linear(x, self.wz).view(n_tok, nv, dk)
         beta = torch.sigmoid(F.linear(x, self.wb))                      # [T, Hv]
         g = F.softplus(F.linear(x, self.wa) + self.dt_bias) * self.ssm_a
-        convs = []
-        for xi, st in zip(F.linear(x, self.wqkv).split(sizes), states):
-            c, new_conv = L.causal_conv1d(xi, st.conv, self.conv)
-            st.conv.copy_(new_conv)
-            convs.append(c)
-        conv = F.silu(convs[0] if len(convs) == 1 else torch.cat(convs))
+        pooled = L.stacked_fields(states, ("conv", "ssm")) if L.one_token_each(sizes) else None
+        if pooled is not None:
+            conv = L.conv_step_rows(F.linear(x, self.wqkv), pooled[0], self.conv)
+        else:
+            convs = []
+            for xi, st in zip(F.linear(x, self.wqkv).split(sizes), states):
+                c, new_conv = L.causal_conv1d(xi, st.conv, self.conv)
+                st.conv.copy_(new_conv)
+                convs.append(c)
+            conv = convs[0] if len(convs) == 1 else torch.cat(convs)
+        conv = F.silu(conv)
         q = conv[:, :dk * nk].view(n_tok, nk, dk)
         k = conv[:, dk * nk:2 * dk * nk].view(n_tok, nk, dk)
         v = conv[:, 2 * dk * nk:].view(n_tok, nv, dk)
         # V head j reads K head j mod n_k: the converter stores V heads in tiled order
         q = L.l2_norm(q, a.eps).repeat(1, nv // nk, 1)
         k = L.l2_norm(k, a.eps).repeat(1, nv // nk, 1)
-        outs = []
-        for qi, ki, vi, gi, bi, st in zip(q.split(sizes), k.split(sizes), v.split(sizes), g.split(sizes),
-                                          beta.split(sizes), states):
-            rule = L.gdn_recurrent if qi.shape[0] == 1 else L.gdn_chunked
-            o, s = rule(qi, ki, vi, gi, bi, st.ssm)
-            st.ssm.copy_(s)
-            outs.append(o)
-        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if pooled is not None:
+            o = L.gdn_step_rows(q, k, v, g, beta, pooled[1])
+        else:
+            outs = []
+            for qi, ki, vi, gi, bi, st in zip(q.split(sizes), k.split(sizes), v.split(sizes), g.split(sizes),
+                                              beta.split(sizes), states):
+                rule = L.gdn_recurrent if qi.shape[0] == 1 else L.gdn_chunked
+                o, s = rule(qi, ki, vi, gi, bi, st.ssm)
+                st.ssm.copy_(s)
+                outs.append(o)
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
         o = L.rms_norm(o.to(x.dtype), self.norm, a.eps) * torch.sigmoid(z)
         return F.linear(o.reshape(n_tok, nv * dk), self.wout)
 
@@ -335,17 +345,25 @@ class QSAttention(nn.Module):
         """Indexer score of every block for every query, [T, NB] float32;
         -inf where the block is not complete at the query (the block
         holding the query is its tail). Writes the raw indexer keys."""
-        a, r = self.a, self.ratio
-        n_tok, n_pos = x.shape[0], cache.k.shape[1]
         cache.idx.index_copy_(0, positions, F.linear(x, self.idx_k).to(cache.idx.dtype))
+        return self._scores(x, cache.idx, positions, cos, sin, tab_cos, tab_sin)
+
+    def _scores(self, x: Tensor, idx: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, tab_cos: Tensor,
+                tab_sin: Tensor) -> Tensor:
+        """:meth:`block_scores` from the raw indexer keys ``idx``: [P, Di],
+        one sequence's, which all T queries read, or [T, P, Di], each
+        query's own sequence's (a batched decode step)."""
+        a, r = self.a, self.ratio
+        n_tok, n_pos = x.shape[0], idx.shape[-2]
         n_blk = -(-n_pos // r)
-        raw = F.pad(cache.idx, (0, 0, 0, n_blk * r - n_pos)).view(n_blk, r, a.idx_dim)
-        pooled = L.rms_norm(raw.float().mean(1), self.idx_k_norm, a.eps)          # [NB, Di]
+        raw = F.pad(idx, (0, 0, 0, n_blk * r - n_pos)).reshape(*idx.shape[:-2], n_blk, r, a.idx_dim)
+        pooled = L.rms_norm(raw.float().mean(-2), self.idx_k_norm, a.eps)       # [..., NB, Di]
         starts = torch.arange(n_blk, device=x.device) * r                # < P: every block starts inside the cache
-        kb = L.apply_rope_neox(pooled[:, None], tab_cos[starts], tab_sin[starts])[:, 0]
+        kb = L.apply_rope_neox(pooled[..., None, :], tab_cos[starts], tab_sin[starts])[..., 0, :]
         q = F.linear(x, self.idx_q).view(n_tok, a.idx_heads, a.idx_dim)
         q = L.apply_rope_neox(L.rms_norm(q, self.idx_q_norm, a.eps), cos, sin)
-        score = torch.relu(torch.einsum("thd,bd->thb", q.float(), kb.float())).sum(1)   # [T, NB]
+        rule = "thd,bd->thb" if idx.dim() == 2 else "thd,tbd->thb"
+        score = torch.relu(torch.einsum(rule, q.float(), kb.float())).sum(1)            # [T, NB]
         n_complete = torch.div(positions + 1, r, rounding_mode="floor")               # [T]
         complete = torch.arange(n_blk, device=x.device)[None, :] < n_complete[:, None]
         return score.masked_fill(~complete, float("-inf"))
@@ -353,10 +371,14 @@ class QSAttention(nn.Module):
     def select(self, x: Tensor, cache: QSACache, positions: Tensor, cos: Tensor, sin: Tensor,
                tab_cos: Tensor, tab_sin: Tensor) -> Tensor:
         """Cells each query may attend to, [T, P] bool (causal included)."""
-        r = self.ratio
         score = self.block_scores(x, cache, positions, cos, sin, tab_cos, tab_sin)
+        return self._keep(score, positions, cache.k.shape[1])
+
+    def _keep(self, score: Tensor, positions: Tensor, n_pos: int) -> Tensor:
+        """:meth:`select`'s cells [T, P] from the block scores [T, NB]."""
+        r = self.ratio
         n_tok, n_blk = score.shape
-        slots = torch.arange(cache.k.shape[1], device=x.device)
+        slots = torch.arange(n_pos, device=score.device)
         causal = slots[None, :] <= positions[:, None]
         n_complete = torch.div(positions + 1, r, rounding_mode="floor")
         tail = slots[None, :] >= (n_complete * r)[:, None]
@@ -365,7 +387,7 @@ class QSAttention(nn.Module):
         # sorting algorithm (transformers leaves it to torch.topk)
         top, which = torch.sort(score, dim=-1, descending=True, stable=True)
         k = min(self.n_blocks_kept, n_blk)
-        chosen = torch.zeros(n_tok, n_blk, dtype=torch.bool, device=x.device)
+        chosen = torch.zeros(n_tok, n_blk, dtype=torch.bool, device=score.device)
         chosen = chosen.scatter(1, which[:, :k], top[:, :k] > float("-inf"))
         return (chosen[:, slots // r] | tail) & causal
 
@@ -377,32 +399,68 @@ class QSAttention(nn.Module):
         """Several sequences' tokens ``x`` (concatenated, ``sizes`` each):
         projections, norms, rotary and the output gate on all of them at
         once; the indexer's selection and the attention per sequence
-        against its cache. ``rots[i]`` = (positions, cos, sin) of sequence
-        i's new tokens, ``tabs[i]`` = its whole rotary table (cos, sin)."""
+        against its cache, or, for one new token each with caches that are
+        rows of one pool (:func:`~fle_engine.layers.stacked`) and one
+        rotary table, for all at once (:meth:`_decode_rows`). ``rots[i]`` =
+        (positions, cos, sin) of sequence i's new tokens, ``tabs[i]`` = its
+        whole rotary table (cos, sin)."""
         a = self.a
         n_tok, hd = x.shape[0], a.head_dim
-        cos = rots[0][1] if len(rots) == 1 else torch.cat([r[1] for r in rots])
-        sin = rots[0][2] if len(rots) == 1 else torch.cat([r[2] for r in rots])
+        cos, sin = L.rot_cat(rots, 1), L.rot_cat(rots, 2)
         qg = F.linear(x, self.wq).view(n_tok, a.n_head, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
         k = F.linear(x, self.wk).view(n_tok, a.n_head_kv, hd)
         v = F.linear(x, self.wv).view(n_tok, a.n_head_kv, hd)
         q = L.apply_rope_neox(L.rms_norm(q, self.q_norm, a.eps), cos, sin)
         k = L.apply_rope_neox(L.rms_norm(k, self.k_norm, a.eps), cos, sin)
-        outs = []
-        for xi, qi, ki, vi, cache, (positions, ci, si), (tab_cos, tab_sin) in zip(
-                x.split(sizes), q.split(sizes), k.split(sizes), v.split(sizes), caches, rots, tabs):
-            if self.ratio and not self.dense:
-                keep = self.select(xi, cache, positions, ci, si, tab_cos, tab_sin)
-            else:
-                if self.ratio:   # keep the indexer cache current so the ablation can be switched per call
-                    cache.idx.index_copy_(0, positions, F.linear(xi, self.idx_k).to(cache.idx.dtype))
-                slots = torch.arange(cache.k.shape[1], device=x.device)
-                keep = slots[None, :] <= positions[:, None]
-            outs.append(masked_attention(qi, ki, vi, cache, positions, keep, a.attn_scale))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        pooled = None
+        if L.one_token_each(sizes) and all(t[0].shape == tabs[0][0].shape for t in tabs):
+            pooled = L.stacked_fields(caches, ("k", "v", "idx") if self.ratio else ("k", "v"))
+        if pooled is not None:
+            out = self._decode_rows(x, q, k, v, pooled, L.rot_cat(rots, 0), cos, sin, *tabs[0])
+        else:
+            outs = []
+            for xi, qi, ki, vi, cache, (positions, ci, si), (tab_cos, tab_sin) in zip(
+                    x.split(sizes), q.split(sizes), k.split(sizes), v.split(sizes), caches, rots, tabs):
+                if self.ratio and not self.dense:
+                    keep = self.select(xi, cache, positions, ci, si, tab_cos, tab_sin)
+                else:
+                    if self.ratio:   # keep the indexer cache current so the ablation can be switched per call
+                        cache.idx.index_copy_(0, positions, F.linear(xi, self.idx_k).to(cache.idx.dtype))
+                    slots = torch.arange(cache.k.shape[1], device=x.device)
+                    keep = slots[None, :] <= positions[:, None]
+                outs.append(masked_attention(qi, ki, vi, cache, positions, keep, a.attn_scale))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = out * torch.sigmoid(gate.reshape(n_tok, a.n_head * hd))
         return F.linear(out, self.wo)
+
+    def _decode_rows(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, pooled: tuple, positions: Tensor,
+                     cos: Tensor, sin: Tensor, tab_cos: Tensor, tab_sin: Tensor) -> Tensor:
+        """The selection and attention of S sequences' one new token each
+        (``q`` [S, H, Dh], ``k``, ``v`` [S, Hkv, Dh], at ``positions`` [S])
+        against their caches, the rows of one pool (``pooled`` = keys and
+        values [S, Hkv, P, Dh], and the indexer keys [S, P, Di] on a QSA
+        layer): one write, one indexer score, one score product and one
+        softmax for all, each row under its own mask. Returns [S, H * Dh]."""
+        a = self.a
+        kp, vp = pooled[0], pooled[1]
+        n_seq, n_head, dh = q.shape
+        n_kv, n_pos = kp.shape[1], kp.shape[2]
+        rows = torch.arange(n_seq, device=x.device)
+        if self.ratio:
+            idx = pooled[2]
+            idx.index_put_((rows, positions), F.linear(x, self.idx_k).to(idx.dtype))
+        if self.ratio and not self.dense:
+            keep = self._keep(self._scores(x, idx, positions, cos, sin, tab_cos, tab_sin), positions, n_pos)
+        else:
+            keep = torch.arange(n_pos, device=x.device)[None, :] <= positions[:, None]
+        kp.transpose(1, 2).index_put_((rows, positions), k.to(kp.dtype))        # [S, P, Hkv, Dh] view
+        vp.transpose(1, 2).index_put_((rows, positions), v.to(vp.dtype))
+        qh = q.reshape(n_seq, n_kv, n_head // n_kv, dh).to(kp.dtype)            # [S, Hkv, G, Dh]
+        scores = torch.matmul(qh, kp.transpose(-1, -2)).float() * a.attn_scale  # [S, Hkv, G, P]
+        probs = torch.softmax(scores.masked_fill(~keep[:, None, None, :], float("-inf")), dim=-1).to(vp.dtype)
+        out = torch.matmul(probs, vp)                                           # [S, Hkv, G, Dh]
+        return out.reshape(n_seq, n_head * dh).to(q.dtype)
 
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, cache: L.AttnCache, positions: Tensor, keep: Tensor,
@@ -444,17 +502,24 @@ class PLE(nn.Module):
     def rows(self, tokens: Tensor, state: PLEState) -> Tensor:
         """Table rows [T, heads] of the tokens' n-grams; advances the token
         history in ``state``."""
-        a = self.a
-        n, n_tok = a.ple_ngram, tokens.shape[0]
+        n = self.a.ple_ngram
         seq = torch.cat([state.tokens, tokens])                         # [n-1 + T]
         state.tokens.copy_(seq[seq.shape[0] - (n - 1):])
+        return self._hash(seq[None], tokens.shape[0])
+
+    def _hash(self, seq: Tensor, n_tok: int) -> Tensor:
+        """Table rows [B * T, heads] of the last ``n_tok`` tokens of each of
+        the B token histories ``seq`` [B, n-1 + T] (integer arithmetic, exact
+        whichever way the rows are laid out)."""
+        a = self.a
+        n = a.ple_ngram
         is_eos = seq == a.ple_eos
-        cur = seq[n - 1:]
+        cur = seq[:, n - 1:]
         ctx = [cur]
-        cut = torch.zeros(n_tok, dtype=torch.bool, device=tokens.device)
+        cut = torch.zeros(seq.shape[0], n_tok, dtype=torch.bool, device=seq.device)
         for s in range(1, n):                                           # predecessor s positions back
-            prev = seq[n - 1 - s:n - 1 - s + n_tok]
-            cut = cut | is_eos[n - 1 - s:n - 1 - s + n_tok]              # an EOS at or after it cuts
+            prev = seq[:, n - 1 - s:n - 1 - s + n_tok]
+            cut = cut | is_eos[:, n - 1 - s:n - 1 - s + n_tok]           # an EOS at or after it cuts
             ctx.append(torch.where(cut, torch.full_like(prev, a.ple_eos), prev))
         out = []
         for g in range(2, n + 1):                                       # bigram heads first
@@ -462,22 +527,44 @@ class PLE(nn.Module):
             for j in range(1, g):
                 mixed = torch.bitwise_xor(mixed, ctx[j] * self.mult[j])
             lo, hi = (g - 2) * a.ple_heads_per_ngram, (g - 1) * a.ple_heads_per_ngram
-            out.append(torch.remainder(mixed[:, None], self.sizes[lo:hi]) + self.offsets[lo:hi])
-        return torch.cat(out, 1)
+            out.append(torch.remainder(mixed[..., None], self.sizes[lo:hi]) + self.offsets[lo:hi])
+        return torch.cat(out, -1).reshape(-1, a.ple_heads)
 
-    def forward(self, res: Tensor, tokens: Tensor, state: PLEState) -> Tensor:
+    def _gated(self, res: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """(the gated values [T, S, D], their norm [T, S * D], the conv's
+        input) of the tokens whose table rows are ``rows``."""
         a = self.a
         n_tok, s, d = res.shape
-        emb = L.embedding(self.rows(tokens, state), self.table).reshape(n_tok, -1).to(res.dtype)   # [T, D]
+        emb = L.embedding(rows, self.table).reshape(n_tok, -1).to(res.dtype)   # [T, D]
         key = grouped_rms(F.linear(emb, self.key).view(n_tok, s, d), self.norm_key, a.eps)
         query = grouped_rms(res, self.norm_query, a.eps)
         score = (key * query).sum(-1, keepdim=True) / math.sqrt(d)      # [T, S, 1]
         gate = torch.sigmoid(torch.sign(score) * score.abs().clamp(min=1e-6).sqrt())
         gated = F.linear(emb, self.value)[:, None, :] * gate            # [T, S, D]
-        normed = grouped_rms(gated, self.norm_conv, a.eps).reshape(n_tok, s * d)
-        conv, hist = dilated_causal_conv(normed, state.conv, self.conv, a.ple_ngram)
+        return gated, grouped_rms(gated, self.norm_conv, a.eps).reshape(n_tok, s * d)
+
+    def forward(self, res: Tensor, tokens: Tensor, state: PLEState) -> Tensor:
+        gated, normed = self._gated(res, self.rows(tokens, state))
+        conv, hist = dilated_causal_conv(normed, state.conv, self.conv, self.a.ple_ngram)
         state.conv.copy_(hist)
-        return res + gated + F.silu(conv).view(n_tok, s, d)
+        return res + gated + F.silu(conv).view(res.shape)
+
+    def forward_rows(self, res: Tensor, tokens: Tensor, hist_tokens: Tensor, hist_conv: Tensor) -> Tensor:
+        """:meth:`forward` of S sequences' one new token each (``res``
+        [S, S_hc, D], ``tokens`` [S]) whose histories are the rows of one
+        pool (``hist_tokens`` [S, n-1], ``hist_conv`` [S, (K-1) * n, C],
+        updated in place): the same arithmetic on all at once."""
+        n = self.a.ple_ngram
+        seq = torch.cat([hist_tokens, tokens[:, None]], 1)              # [S, n]
+        hist_tokens.copy_(seq[:, 1:])
+        gated, normed = self._gated(res, self._hash(seq, 1))
+        full = torch.cat([hist_conv.to(normed.dtype), normed[:, None]], 1)   # [S, hist + 1, C]
+        conv = torch.zeros_like(normed)
+        k_taps, n_hist = self.conv.shape[1], hist_conv.shape[1]
+        for k in range(k_taps):                                         # as dilated_causal_conv, per sequence
+            conv = conv + full[:, n_hist - (k_taps - 1 - k) * n] * self.conv[:, k]
+        hist_conv.copy_(full[:, 1:])
+        return res + gated + F.silu(conv).view(res.shape)
 
 
 # ---------------------------------------------------------------------------
@@ -515,11 +602,16 @@ class Block(nn.Module):
     def forward_batch(self, res: Tensor, sizes: list[int], tokens: list[Tensor], caches: list,
                       states: list[State], rots: list) -> Tensor:
         """Several sequences' tokens at once: PLE per sequence (its token
-        history), the mixer's projections on all tokens and its core per
-        sequence (see the mixers' ``forward_batch``), the hyper-connections
-        and the MoE on all."""
+        history; on all at once for one new token each with pooled
+        histories), the mixer's projections on all tokens and its core per
+        sequence or on pooled states (see the mixers' ``forward_batch``),
+        the hyper-connections and the MoE on all."""
         if self.ple is not None and not self.skip_ple:
-            res = torch.cat([self.ple(r, t, s.ple) for r, t, s in zip(res.split(sizes), tokens, states)])
+            hist = L.stacked_fields([s.ple for s in states], ("tokens", "conv")) if L.one_token_each(sizes) else None
+            if hist is not None:
+                res = self.ple.forward_rows(res, torch.cat(tokens), *hist)
+            else:
+                res = torch.cat([self.ple(r, t, s.ple) for r, t, s in zip(res.split(sizes), tokens, states)])
         x, inject = self.hc_attn(res)
         if self.recurrent:
             out = self.mixer.forward_batch(x, sizes, caches)
@@ -638,7 +730,7 @@ class Transformer(nn.Module):
         """``forward`` of several sequences in one pass (see
         :meth:`.qwen3moe.Transformer.forward_batch`)."""
         sizes = [t.shape[0] for t in tokens]
-        rots = [advance(s, n) for s, n in zip(states, sizes)]
+        rots = L.Rots(advance(s, n) for s, n in zip(states, sizes))
         x = F.embedding(torch.cat(tokens), self.tok_embd)
         res = x[:, None, :].expand(-1, self.args.hc, -1).contiguous()
         for il, layer in enumerate(self.layers):

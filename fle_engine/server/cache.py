@@ -29,7 +29,8 @@ from fle_quant.errors import FleError
 
 from .. import layers as L
 
-__all__ = ["Snapshot", "snapshot", "restore", "truncatable", "PromptCache", "common_prefix", "usable_prefix"]
+__all__ = ["Snapshot", "snapshot", "restore", "truncatable", "carried_parts", "PromptCache", "common_prefix",
+           "usable_prefix"]
 
 _STATE_SKIP = {"max_tokens", "pos", "layers", "rope_cos", "rope_sin", "length", "hidden", "last_tokens",
                "last_logits", "mtp"}
@@ -40,7 +41,7 @@ def _tensors(obj) -> dict[str, Tensor]:
             if isinstance(getattr(obj, f.name), Tensor)}
 
 
-def _extra_parts(state) -> dict[str, Any]:
+def carried_parts(state) -> dict[str, Any]:
     """Carried state other than the layers: dataclass fields of the state
     (qwen4exp's ``ple``) that hold tensors."""
     out = {}
@@ -56,7 +57,7 @@ def _extra_parts(state) -> dict[str, Any]:
 def truncatable(state) -> bool:
     """Whether ``state`` can be cut back to a shorter prefix in place: every
     layer attention, nothing carried beside."""
-    return all(isinstance(c, L.AttnCache) for c in state.layers) and not _extra_parts(state)
+    return all(isinstance(c, L.AttnCache) for c in state.layers) and not carried_parts(state)
 
 
 @dataclass
@@ -94,7 +95,7 @@ def snapshot(state, n: int) -> Snapshot:
                 t = t[:, :n] if name in ("k", "v") else t[:n]
             parts[name] = t.detach().clone()
         layers.append(parts)
-    extra = {name: {k: t.detach().clone() for k, t in _tensors(v).items()} for name, v in _extra_parts(state).items()}
+    extra = {name: {k: t.detach().clone() for k, t in _tensors(v).items()} for name, v in carried_parts(state).items()}
     return Snapshot(n, layers, extra)
 
 
@@ -118,7 +119,7 @@ def restore(snap: Snapshot, state) -> None:
                     raise FleError(f"the snapshot is of another model ({name}: {list(src.shape)} vs "
                                    f"{list(dst.shape)})")
                 dst.copy_(src)
-        extra = _extra_parts(state)
+        extra = carried_parts(state)
         if extra.keys() != snap.extra.keys():
             raise FleError("the snapshot is of another model (carried state differs)")
         for name, obj in extra.items():
@@ -159,18 +160,24 @@ class Entry:
     logits: Tensor | None
     nbytes: int
     t_used: float
+    owner: int | None = None      # the protected slot whose conversation this is (see PromptCache.put)
 
 
 class PromptCache:
     """Snapshots of finished sequences in RAM, at most ``limit`` bytes,
-    least recently used out first. Thread-safe."""
+    least recently used out first. Thread-safe.
+
+    An entry put with an ``owner`` (a protected slot's conversation, see
+    the server's ``--cache-protect-slot``) is evicted only to make room for
+    an entry of the same owner; other entries never push it out, and one
+    that would fit only by doing so is not kept."""
 
     def __init__(self, limit_bytes: int):
         self.limit = int(limit_bytes)
         self.entries: OrderedDict[int, Entry] = OrderedDict()
         self._next = 0
         self._lock = threading.Lock()
-        self.n_saved = self.n_evicted = self.n_hits = 0
+        self.n_saved = self.n_evicted = self.n_hits = self.n_refused = 0
 
     @property
     def enabled(self) -> bool:
@@ -180,21 +187,37 @@ class PromptCache:
     def size(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
-    def put(self, tokens: list[int], snap: Snapshot, logits: Tensor | None) -> bool:
-        """Keep a sequence; False when it alone is larger than the limit."""
+    def put(self, tokens: list[int], snap: Snapshot, logits: Tensor | None, owner: int | None = None) -> bool:
+        """Keep a sequence, pushing out the least recently used entries it may
+        evict (those without an owner, and ``owner``'s own); False when it
+        does not fit even so, or alone is larger than the limit. The same
+        tokens kept again replace the entry, keeping its owner."""
         nbytes = snap.nbytes + (logits.numel() * logits.element_size() if logits is not None else 0)
         if not self.enabled or nbytes > self.limit or not tokens:
             return False
         with self._lock:
-            for key, e in list(self.entries.items()):
-                if e.tokens == tokens:
-                    del self.entries[key]
-            self.entries[self._next] = Entry(list(tokens), snap, logits, nbytes, time.monotonic())
+            same = [key for key, e in self.entries.items() if e.tokens == tokens]
+            for key in same:
+                if owner is None:
+                    owner = self.entries[key].owner
+            others = [(key, e) for key, e in self.entries.items() if key not in same]
+            room = self.limit - sum(e.nbytes for _, e in others)
+            evictable = [key for key, e in others if e.owner is None or e.owner == owner]   # oldest first
+            freed, out = 0, []
+            for key in evictable:
+                if room + freed >= nbytes:
+                    break
+                freed += self.entries[key].nbytes
+                out.append(key)
+            if room + freed < nbytes:
+                self.n_refused += 1
+                return False
+            for key in same + out:
+                del self.entries[key]
+            self.n_evicted += len(out)
+            self.entries[self._next] = Entry(list(tokens), snap, logits, nbytes, time.monotonic(), owner)
             self._next += 1
             self.n_saved += 1
-            while self.size > self.limit:
-                self.entries.popitem(last=False)
-                self.n_evicted += 1
         return True
 
     def best(self, prompt: list[int], can_truncate: bool) -> tuple[Entry | None, int]:
@@ -215,7 +238,9 @@ class PromptCache:
     def info(self) -> dict:
         with self._lock:
             return {"n_entries": len(self.entries), "size_bytes": self.size, "limit_bytes": self.limit,
-                    "n_saved": self.n_saved, "n_evicted": self.n_evicted, "n_hits": self.n_hits}
+                    "n_saved": self.n_saved, "n_evicted": self.n_evicted, "n_hits": self.n_hits,
+                    "n_refused": self.n_refused,
+                    "n_protected": sum(e.owner is not None for e in self.entries.values())}
 
 
 def save_file(path: str, tokens: list[int], snap: Snapshot, logits: Tensor | None, arch: str) -> int:

@@ -47,11 +47,13 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
           n_draft: int = 2, alias: str | None = None, log: TextIO = sys.stderr, runtime: dict | None = None,
           n_parallel: int = 2, cache_ram: float = 0, slot_save_path: str | None = None,
           api_key: str | None = None, draft_vocab: str | None = None, draft_vocab_corpus: str | None = None,
-          draft_adaptive: bool = False) -> int:
+          draft_adaptive: bool = False, cache_protect_slots=()) -> int:
     """Load ``model_path`` and serve it until SIGINT or SIGTERM; with
     ``runtime`` (the engine's options) on the GPU engine. ``draft_vocab``
     (N or a list file, with ``draft_vocab_corpus`` for N) and
-    ``draft_adaptive``: the MTP drafting options of ``fle-engine generate``."""
+    ``draft_adaptive``: the MTP drafting options of ``fle-engine generate``;
+    ``cache_protect_slots``: slots whose conversations other traffic does
+    not push out of the RAM prompt cache (``--cache-protect-slot``)."""
     import os
 
     import torch
@@ -65,6 +67,12 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
         raise FleError(f"--parallel must be at least 1, got {n_parallel}")
     if cache_ram < 0:
         raise FleError(f"--cache-ram must be 0 (off) or a size in MiB, got {cache_ram}")
+    for i in cache_protect_slots:
+        if not 0 <= i < n_parallel:
+            raise FleError(f"--cache-protect-slot {i}: the server has slots 0..{n_parallel - 1} (--parallel)")
+    if cache_protect_slots and (not cache_ram or mtp or mtp_head or runtime is not None):
+        raise FleError("--cache-protect-slot needs the RAM prompt cache (--cache-ram MiB) on the reference path "
+                       "without --mtp")
     if slot_save_path:
         os.makedirs(slot_save_path, exist_ok=True)
     if not 0 <= port <= 65535:
@@ -107,7 +115,7 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
     name = alias or os.path.basename(str(model_path))
     engine = Engine(model, tok, n_ctx=n_ctx, name=name, n_ctx_train=n_ctx_train, mtp=mtp, n_draft=n_draft, log=log,
                     n_parallel=n_parallel, cache_ram_mib=cache_ram, slot_save_path=slot_save_path,
-                    draft_vocab=vocab, draft_adaptive=draft_adaptive)
+                    draft_vocab=vocab, draft_adaptive=draft_adaptive, cache_protect_slots=cache_protect_slots)
     try:
         asyncio.run(_listen(engine, host, port, log, api_key))
     finally:

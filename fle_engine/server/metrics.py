@@ -51,6 +51,10 @@ class _Collector:
         yield g("fle:prompt_cache_entries", "Entries in the RAM prompt cache.", info["n_entries"])
         yield c("fle:prompt_cache_hits", "Requests served from the RAM prompt cache.", info["n_hits"])
         yield c("fle:prompt_cache_evictions", "Entries evicted from the RAM prompt cache.", info["n_evicted"])
+        yield g("fle:prompt_cache_protected_entries", "Entries of protected slots' conversations in the RAM prompt "
+                "cache.", info["n_protected"])
+        yield c("fle:prompt_cache_refused", "Sequences not kept: the RAM prompt cache was full of protected "
+                "entries.", info["n_refused"])
         yield c("fle:draft_tokens", "MTP draft tokens proposed.", e.n_drafted_total)
         yield c("fle:draft_tokens_accepted", "MTP draft tokens accepted.", e.n_accepted_total)
         st = expert_cache_stats(e.model)

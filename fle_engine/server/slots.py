@@ -14,13 +14,20 @@ One worker thread runs rounds: each active slot advances by one prompt
 chunk or one token per round, and on the reference path all of a round's
 sequences go through the model in one batched forward
 (``Model.forward_batch``). With several slots, the slots' attention caches
-and GDN states are rows of one buffer per layer, so that a round of one
-token per slot attends (and runs the delta rule) for all slots at once
-instead of once per slot. With MTP drafts or the GPU engine, each slot
-runs its own token generator; the GPU engine serves one slot at a time.
+and recurrent states (GDN, qwen4exp's indexer keys and PLE history) are
+rows of one buffer per layer, so that a round of one token per slot
+attends (and runs the delta rule) for all slots at once instead of once
+per slot. With MTP drafts or the GPU engine, each slot runs its own token
+generator; the GPU engine serves one slot at a time.
+
+A protected slot (``--cache-protect-slot``) keeps the conversation of the
+requests naming it in the RAM prompt cache: its entries are evicted only by
+its own (:meth:`.cache.PromptCache.put`), and requests naming no slot take
+it only when no other slot is idle.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -173,6 +180,7 @@ class Slot:
         self.t_last = 0.0
         self.n_decoded = 0
         self.cacheable = True            # the held tokens came from a request that allows caching
+        self.protected = False           # the held tokens are the conversation of a protected slot
 
     @property
     def busy(self) -> bool:
@@ -190,7 +198,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, n_ctx: int, name: str, n_ctx_train: int | None = None,
                  mtp: bool = False, n_draft: int = 2, log: TextIO | None = None, n_parallel: int = 1,
                  cache_ram_mib: float = 0, slot_save_path: str | None = None, draft_vocab=None,
-                 draft_adaptive: bool = False):
+                 draft_adaptive: bool = False, cache_protect_slots=()):
         if n_parallel < 1:
             raise FleError(f"--parallel must be at least 1, got {n_parallel}")
         if n_ctx < 2 * n_parallel:
@@ -218,6 +226,15 @@ class Engine:
         # the reference path steps the slots itself; MTP and the GPU engine run token generators
         self.stepped = not (mtp or self.runtime)
         self.cache = C.PromptCache(int(cache_ram_mib * 2**20) if self.stepped else 0)
+        # slots whose conversations (the requests naming them) the other slots' traffic cannot push out of the
+        # prompt cache; unnamed requests take them only when no other slot is idle
+        self.protect = frozenset(int(i) for i in cache_protect_slots)
+        for i in sorted(self.protect):
+            if not 0 <= i < n_parallel:
+                raise FleError(f"--cache-protect-slot {i}: the server has slots 0..{n_parallel - 1}")
+        if self.protect and not self.cache.enabled:
+            raise FleError("--cache-protect-slot needs the RAM prompt cache (--cache-ram MiB) on the reference "
+                           "path without --mtp")
         self.slot_save_path = slot_save_path
         self.slots = [Slot(i, self.n_ctx_slot) for i in range(n_parallel)]
         self._cv = threading.Condition()
@@ -226,7 +243,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._batched = hasattr(model, "forward_batch")
         self._truncatable: bool | None = None
-        self._pools: dict[int, tuple[torch.Tensor, ...]] = {}   # per layer, see _new_state
+        self._pools: dict[object, tuple[torch.Tensor, ...]] = {}   # per layer (and carried state), see _new_state
         # counters for /metrics
         self.n_prompt_total = self.n_predicted_total = self.n_requests = self.n_cached_total = 0
         self.t_prompt_total = self.t_predicted_total = 0.0
@@ -302,6 +319,7 @@ class Engine:
             t = s.task
             out.append({"id": s.id, "n_ctx": s.n_ctx, "is_processing": t is not None,
                         "n_cached_tokens": len(s.tokens), "n_decoded": s.n_decoded,
+                        "cache_protected": s.id in self.protect,
                         "id_task": id(t) if t is not None else -1,
                         "next_token": {"has_next_token": t is not None and not t.done,
                                        "n_decoded": len(t.out_tokens) if t is not None else 0}})
@@ -370,12 +388,13 @@ class Engine:
         return self._truncatable
 
     def _choose(self, free: list[Slot], job: Job) -> Slot:
-        """The idle slot serving most of the prompt; the least recently used on a tie."""
+        """The idle slot serving most of the prompt; on a tie one that is not
+        protected, then the least recently used."""
         if not job.cache_prompt or not self.stepped:
-            return min(free, key=lambda s: s.t_last)
+            return min(free, key=lambda s: (s.id in self.protect, s.t_last))
         ct = self._can_truncate()
         return max(free, key=lambda s: (C.usable_prefix(s.tokens, s.logits is not None, job.prompt, ct),
-                                        -s.t_last))
+                                        s.id not in self.protect, -s.t_last))
 
     def _assign(self) -> None:
         """Start each waiting request whose slot is free, in arrival order."""
@@ -408,36 +427,47 @@ class Engine:
 
     def _keep_in_cache(self, slot: Slot) -> None:
         if self.cache.enabled and slot.tokens and slot.cacheable and slot.state is not None:
-            self.cache.put(list(slot.tokens), C.snapshot(slot.state, len(slot.tokens)), slot.logits)
+            self.cache.put(list(slot.tokens), C.snapshot(slot.state, len(slot.tokens)), slot.logits,
+                           owner=slot.id if slot.protected else None)
 
     def _new_state(self, slot: Slot):
         """A new state for ``slot``. With several slots, its attention caches
-        and GDN states are the slot's rows of buffers per layer shared by all
-        slots (zeroed here), so that a batched decode step reads and updates
-        every slot's keys and values, or recurrent state, as one tensor
-        (:func:`fle_engine.layers.stacked`)."""
+        and recurrent states (a GDN layer's, qwen4exp's indexer keys and PLE
+        history) are the slot's rows of buffers shared by all slots (set to
+        the new state's values here), so that a batched decode step reads
+        and updates every slot's keys and values, or recurrent state, as one
+        tensor (:func:`fle_engine.layers.stacked`)."""
         st = self.model.new_state(slot.n_ctx)
         layers = getattr(st, "layers", None)
         if self.n_parallel < 2 or not isinstance(layers, list):
             return st
         for il, c in enumerate(layers):
-            if type(c) is L.AttnCache:
-                names = ("k", "v")
-            elif type(c) is L.GDNState:
-                names = ("conv", "ssm")
-            else:
-                continue
-            parts = [getattr(c, f) for f in names]
-            pool = self._pools.get(il)
-            if pool is None or any(p.shape[1:] != t.shape or p.dtype != t.dtype or p.device != t.device
-                                   for p, t in zip(pool, parts)):
-                pool = tuple(t.new_zeros((self.n_parallel, *t.shape)) for t in parts)
-                self._pools[il] = pool
-            rows = [p[slot.id] for p in pool]
-            for r in rows:
-                r.zero_()
-            layers[il] = type(c)(*rows)
+            layers[il] = self._pooled(il, c, slot)
+        for name, obj in C.carried_parts(st).items():
+            setattr(st, name, self._pooled(name, obj, slot))
         return st
+
+    def _pooled(self, key, obj, slot: Slot):
+        """``obj`` (a dataclass of tensors: one layer's cache, or carried
+        state) with each tensor replaced by the slot's row of the pool kept
+        under ``key``, holding the tensor's values."""
+        if not dataclasses.is_dataclass(obj):
+            return obj
+        parts = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+                 if isinstance(getattr(obj, f.name), torch.Tensor)}
+        if not parts:
+            return obj
+        pool = self._pools.get(key)
+        if pool is None or len(pool) != len(parts) or any(
+                p.shape[1:] != t.shape or p.dtype != t.dtype or p.device != t.device
+                for p, t in zip(pool, parts.values())):
+            pool = tuple(t.new_zeros((self.n_parallel, *t.shape)) for t in parts.values())
+            self._pools[key] = pool
+        rows = {}
+        for p, (name, t) in zip(pool, parts.items()):
+            rows[name] = p[slot.id]
+            rows[name].copy_(t)
+        return dataclasses.replace(obj, **rows)
 
     def _fresh_state(self, slot: Slot) -> None:
         if slot.state is not None and self._can_truncate():
@@ -512,6 +542,7 @@ class Engine:
             return
         task.n_cached = task.pos = self._prepare(slot, job)
         slot.cacheable = job.cache_prompt
+        slot.protected = slot.id in self.protect and job.id_slot == slot.id
         task.history = list(job.prompt)
 
     def _begin_child(self, slot: Slot, task: _Task) -> None:
@@ -520,6 +551,7 @@ class Engine:
         job = self._attach(slot, task)
         task.waiting = True
         slot.cacheable = False           # the parent's slot keeps the prompt for the cache
+        slot.protected = False
         task.history = list(job.prompt)
 
     def _share_prompt(self, s: Slot) -> None:
@@ -772,7 +804,7 @@ class Engine:
         t0 = time.perf_counter()
         if action == "erase":
             n = len(s.tokens)
-            s.state, s.tokens, s.logits = None, [], None
+            s.state, s.tokens, s.logits, s.protected = None, [], None, False
             return {"id_slot": sid, "n_erased": n}
         if not self.stepped:
             raise FleError("slot save and restore run on the reference path without MTP")
@@ -792,6 +824,7 @@ class Engine:
                 s.state = self._new_state(s)
             C.restore(snap, s.state)
             s.tokens, s.logits, s.cacheable = tokens, logits, True
+            s.protected = sid in self.protect              # restored by name: the slot's own conversation
             return {"id_slot": sid, "filename": arg, "n_restored": len(tokens), "n_read": nbytes,
                     "timings": {"restore_ms": 1e3 * (time.perf_counter() - t0)}}
         raise FleError(f"unknown slot action {action!r}: expected save, restore or erase")
