@@ -224,7 +224,8 @@ def _q4_verify(path, pos: int, n_tok: int, ops_wrap=None):
     return res
 
 
-@pytest.mark.parametrize("ratio,n_tok,pos", [(4, 2, 23), (4, 3, 22), (4, 4, 21), (4, 4, 24), (2, 4, 21), (2, 4, 23), (2, 4, 25), (2, 3, 20)])
+@pytest.mark.parametrize("ratio,n_tok,pos", [(4, 2, 23), (4, 3, 22), (4, 4, 21), (4, 4, 24),
+                                             (2, 4, 21), (2, 4, 23), (2, 4, 25), (2, 3, 20)])
 def test_q4_verify_step_past_the_indexer_start_and_across_block_boundaries(q4_file, q4r2_file, ratio, n_tok, pos):
     """qwen4exp's T-token step where the indexer drops blocks, the T
     positions straddling a block boundary (23 | 24 with blocks of 4) or, at
