@@ -104,12 +104,12 @@ def _oracle_head(monkeypatch, head, seq, wrong_after=None, n_vocab=None):
         pos = positions.tolist()
         if len(pos) > 1 or state["first"] is None or pos[0] <= state["first"]:
             state["first"] = pos[-1]                        # the call that makes draft 1
-        fake_logits = torch.full_like(logits, -1.0)
-        for r, p in enumerate(pos):
-            want = seq[p + 2] if p + 2 < len(seq) else 0
-            if wrong_after is not None and p - state["first"] >= wrong_after:
-                want = (want + 1) % logits.shape[1]
-            fake_logits[r, want] = 1.0
+        fake_logits = torch.full_like(logits, -1.0)     # the last pair's row: the one drafting reads
+        p = pos[-1]
+        want = seq[p + 2] if p + 2 < len(seq) else 0
+        if wrong_after is not None and p - state["first"] >= wrong_after:
+            want = (want + 1) % logits.shape[1]
+        fake_logits[-1, want] = 1.0
         return (fake_logits, h) if return_hidden else fake_logits
 
     monkeypatch.setattr(head, "forward", fake)
