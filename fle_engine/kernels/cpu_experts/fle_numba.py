@@ -35,10 +35,10 @@ from .simd import (AVX2, blk_q4_k, blk_q5_k, dot8_scaled, dot32_s8, dot_halves, 
                    dot_iq4, dot_iq4_xs, dot_iq4_xs_r, dot_q4_k, dot_q6_k, q8_0_x8)
 from .simd import borrow
 from .simd import f16_at as fp16_at
-from .simd512 import AVX512, LAYOUTS as _LAYOUTS, PERM as _PERM, SUMS as _SUMS
+from .simd512 import AVX512, ISA, LAYOUTS as _LAYOUTS, PERM as _PERM, SUMS as _SUMS, stack_f32x16
 from .plan import plan, silu_mul_row, weighted_sum
 
-__all__ = ["CODES", "forward", "matvec", "row", "scratch", "dot_k", "BLOCK_BYTES", "arrange", "AVX512"]
+__all__ = ["CODES", "forward", "matvec", "row", "scratch", "dot_k", "BLOCK_BYTES", "arrange", "AVX512", "ISA"]
 
 _F32 = np.float32
 
@@ -374,71 +374,76 @@ def _row512(code, w, base, nb, xq, xo, xd, xdo, xs, xso, c):
 
 
 @njit(cache=True)
-def _rows512_iq3_xxs(w, base, stride, r0, r1, nb, xq, xd, xs, arow, dst, nt, out, c):
+def _rows512_iq3_xxs(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out):
     nx, ndx, nxs = xq.shape[1], xd.shape[1], xs.shape[1]
+    c = stack_f32x16()
     for r in range(r0, r1):
         o = base + r * stride
-        for k in range(nt):
-            t = arow[k]
+        for k in range(dst.shape[0]):
+            t = tok[dst[k]]
             out[dst[k], r] = _row512_iq3_xxs(w, o, nb, xq, t * nx, xd, t * ndx, xs, t * nxs, c)
 
 
 @njit(cache=True)
-def _rows512_iq3_s(w, base, stride, r0, r1, nb, xq, xd, xs, arow, dst, nt, out, c):
+def _rows512_iq3_s(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out):
     nx, ndx, nxs = xq.shape[1], xd.shape[1], xs.shape[1]
+    c = stack_f32x16()
     for r in range(r0, r1):
         o = base + r * stride
-        for k in range(nt):
-            t = arow[k]
+        for k in range(dst.shape[0]):
+            t = tok[dst[k]]
             out[dst[k], r] = _row512_iq3_s(w, o, nb, xq, t * nx, xd, t * ndx, xs, t * nxs, c)
 
 
 @njit(cache=True)
-def _rows512_iq2_xs(w, base, stride, r0, r1, nb, xq, xd, xs, arow, dst, nt, out, c):
+def _rows512_iq2_xs(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out):
     nx, ndx, nxs = xq.shape[1], xd.shape[1], xs.shape[1]
+    c = stack_f32x16()
     for r in range(r0, r1):
         o = base + r * stride
-        for k in range(nt):
-            t = arow[k]
+        for k in range(dst.shape[0]):
+            t = tok[dst[k]]
             out[dst[k], r] = _row512_iq2_xs(w, o, nb, xq, t * nx, xd, t * ndx, xs, t * nxs, c)
 
 
 @njit(cache=True)
-def _rows512_iq4_xs(w, base, stride, r0, r1, nb, xq, xd, xs, arow, dst, nt, out, c):
+def _rows512_iq4_xs(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out):
     nx, ndx, nxs = xq.shape[1], xd.shape[1], xs.shape[1]
+    c = stack_f32x16()
     for r in range(r0, r1):
         o = base + r * stride
-        for k in range(nt):
-            t = arow[k]
+        for k in range(dst.shape[0]):
+            t = tok[dst[k]]
             out[dst[k], r] = _row512_iq4_xs(w, o, nb, xq, t * nx, xd, t * ndx, xs, t * nxs, c)
 
 
 @njit(cache=True)
-def _rows512_q4_k(w, base, stride, r0, r1, nb, xq, xd, xs, arow, dst, nt, out, c):
+def _rows512_q4_k(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out):
     nx, ndx, nxs = xq.shape[1], xd.shape[1], xs.shape[1]
+    c = stack_f32x16()
     for r in range(r0, r1):
         o = base + r * stride
-        for k in range(nt):
-            t = arow[k]
+        for k in range(dst.shape[0]):
+            t = tok[dst[k]]
             out[dst[k], r] = _row512_q4_k(w, o, nb, xq, t * nx, xd, t * ndx, xs, t * nxs, c)
 
 
 @njit(cache=True, inline="always")
-def _rows512(code, w, base, stride, r0, r1, nb, xq, xd, xs, arow, dst, nt, out, c):
-    """out[dst[k], r] = row r (at byte base + r * stride of w) times activation
-    row arow[k], for r0 <= r < r1 and k < nt: one function per type, each
+def _rows512(code, w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out):
+    """out[p, r] = row r (at byte base + r * stride of w) times activation
+    row tok[p], for r0 <= r < r1 and p in dst: one function per type, each
     with its own loop over the rows (in the one function that holds every
     type's code, LLVM compiled these loops to 0.6 of their speed)."""
     if code == _IQ3_XXS:
-        _rows512_iq3_xxs(w, base, stride, r0, r1, nb, xq, xd, xs, arow, dst, nt, out, c)
+        _rows512_iq3_xxs(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out)
     elif code == _IQ3_S:
-        _rows512_iq3_s(w, base, stride, r0, r1, nb, xq, xd, xs, arow, dst, nt, out, c)
+        _rows512_iq3_s(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out)
     elif code == _IQ2_XS:
-        _rows512_iq2_xs(w, base, stride, r0, r1, nb, xq, xd, xs, arow, dst, nt, out, c)
+        _rows512_iq2_xs(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out)
     elif code == _IQ4_XS:
-        _rows512_iq4_xs(w, base, stride, r0, r1, nb, xq, xd, xs, arow, dst, nt, out, c)
+        _rows512_iq4_xs(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out)
     else:
-        _rows512_q4_k(w, base, stride, r0, r1, nb, xq, xd, xs, arow, dst, nt, out, c)
+        _rows512_q4_k(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out)
 
 
 @njit(cache=True, inline="always")
@@ -669,15 +674,16 @@ def _matvec(code, rows, nb, xq, xd, xs, out):
     arow = np.arange(nt)
     chunk = 16      # rows per work item
     for c in prange((n_rows + chunk - 1) // chunk):
+        if _has512(code):      # no scratch on the heap
+            ba = borrow(arow)
+            _rows512(code, borrow(flat), 0, rb, c * chunk, min(n_rows, (c + 1) * chunk), nb, borrow(xq), borrow(xd),
+                     borrow(xs), ba, ba, borrow(out))
+            continue
         w64, w8, sc, mn, acc, _ = _scratch_of(nt)
         # borrowed views (.simd.borrow): the scratch stays alive through acc, used in the loop; rows, xq, xd,
         # xs and arow are arguments of this parallel body
         bf, bq, bd, bs, ba = borrow(flat), borrow(xq), borrow(xd), borrow(xs), borrow(arow)
         b64, b8, bsc, bmn, bacc = borrow(w64), borrow(w8), borrow(sc), borrow(mn), borrow(acc)
-        if _has512(code):
-            _rows512(code, bf, 0, rb, c * chunk, min(n_rows, (c + 1) * chunk), nb, bq, bd, bs, ba, ba, nt, out,
-                     borrow(sc.view(np.float32)))
-            continue
         for r in range(c * chunk, min(n_rows, (c + 1) * chunk)):
             _row_at(code, bf, r * rb, nb, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
             for k in range(nt):
@@ -740,6 +746,13 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
         e = uexp[ui]
         p0 = ustart[ui]
         nt = ustart[ui + 1] - p0
+        if _has512(gu_code):      # no scratch on the heap; the pairs' rows of g and up, their tokens' activations
+            bf, bq, bd, bs, bt, bg, bu = borrow(flat), borrow(xq), borrow(xd), borrow(xs), borrow(ptok), borrow(g), borrow(up)
+            dst = borrow(upairs)[p0:p0 + nt]
+            r1 = min(n_ff, (c + 1) * chunk)
+            _rows512(gu_code, bf, e * eb, gu_rb, c * chunk, r1, nbg, bq, bd, bs, bt, dst, bg)
+            _rows512(gu_code, bf, e * eb + n_ff * gu_rb, gu_rb, c * chunk, r1, nbg, bq, bd, bs, bt, dst, bu)
+            continue
         w64, w8, sc, mn, acc, arow = _scratch_of(nt)
         for k in range(nt):
             arow[k] = ptok[upairs[p0 + k]]
@@ -747,12 +760,6 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
         # arguments of this parallel body
         bf, bq, bd, bs, ba = borrow(flat), borrow(xq), borrow(xd), borrow(xs), borrow(arow)
         b64, b8, bsc, bmn, bacc = borrow(w64), borrow(w8), borrow(sc), borrow(mn), borrow(acc)
-        if _has512(gu_code):
-            dst, cf = upairs[p0:p0 + nt], borrow(sc.view(np.float32))
-            r1 = min(n_ff, (c + 1) * chunk)
-            _rows512(gu_code, bf, e * eb, gu_rb, c * chunk, r1, nbg, bq, bd, bs, ba, dst, nt, g, cf)
-            _rows512(gu_code, bf, e * eb + n_ff * gu_rb, gu_rb, c * chunk, r1, nbg, bq, bd, bs, ba, dst, nt, up, cf)
-            continue
         for r in range(c * chunk, min(n_ff, (c + 1) * chunk)):
             _row_at(gu_code, bf, e * eb + r * gu_rb, nbg, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
             for k in range(nt):
@@ -772,6 +779,7 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
         arrange(down_code, hq[p])
     # down rows
     y = np.empty((n_p, n_embd), np.float32)
+    pairs = np.arange(n_p)
     nbd = down_rb // _BLOCK_BYTES[down_code]
     nch = (n_embd + chunk - 1) // chunk
     for it in prange(n_u * nch):
@@ -780,15 +788,15 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
         e = uexp[ui]
         p0 = ustart[ui]
         nt = ustart[ui + 1] - p0
+        if _has512(down_code):    # the pairs' rows of y, each pair's activations (silu * up)
+            _rows512(down_code, borrow(flat), e * eb + down_off, down_rb, c * chunk, min(n_embd, (c + 1) * chunk), nbd,
+                     borrow(hq), borrow(hd), borrow(hs), borrow(pairs), borrow(upairs)[p0:p0 + nt], borrow(y))
+            continue
         w64, w8, sc, mn, acc, arow = _scratch_of(nt)
         for k in range(nt):
             arow[k] = upairs[p0 + k]
         bf, bq, bd, bs, ba = borrow(flat), borrow(hq), borrow(hd), borrow(hs), borrow(arow)
         b64, b8, bsc, bmn, bacc = borrow(w64), borrow(w8), borrow(sc), borrow(mn), borrow(acc)
-        if _has512(down_code):
-            _rows512(down_code, bf, e * eb + down_off, down_rb, c * chunk, min(n_embd, (c + 1) * chunk), nbd, bq, bd,
-                     bs, ba, ba, nt, y, borrow(sc.view(np.float32)))
-            continue
         for r in range(c * chunk, min(n_embd, (c + 1) * chunk)):
             _row_at(down_code, bf, e * eb + down_off + r * down_rb, nbd, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
             for k in range(nt):

@@ -62,12 +62,13 @@ from numba.extending import intrinsic
 
 from fle_quant.quants.tables import IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KVALUES_IQ4NL
 
-from .simd import _base, _escape, _fn, _host_feature, _ld, _scales_mins_k4
+from .simd import AVX2, _base, _escape, _fn, _host_feature, _ld, _scales_mins_k4
 
-__all__ = ["AVX512", "LAYOUTS", "PERM", "SUMS", "GF_KSIGNS"]
+__all__ = ["AVX512", "ISA", "LAYOUTS", "PERM", "SUMS", "GF_KSIGNS", "stack_f32x16"]
 
 AVX512 = all(_host_feature(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx512vbmi", "gfni",
                                         "avx512bitalg"))
+ISA = "avx512" if AVX512 else "avx2" if AVX2 else "portable"     # the kernels this process runs
 
 _I1, _I8, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _B64 = ir.VectorType(_I8, 64)      # a zmm register as 64 bytes
@@ -470,3 +471,25 @@ _KERNELS = {"iq3_xxs": (_acc_iq3_xxs, _consts_iq3_xxs, 98, 0.25), "iq3_s": (_acc
 # SUMS[name][n] for n in 1, 2, 3, 4, 8
 SUMS = {name: {n: _make_sums(name, acc, consts, size, frac, n) for n in (1, 2, 3, 4, 8)}
         for name, (acc, consts, size, frac) in _KERNELS.items()}
+
+
+@intrinsic
+def stack_f32x16(typingctx):
+    """A float32 [16] array on the calling function's stack (its entry
+    block's alloca: once per call of a parallel loop's body, not per
+    iteration), with a null meminfo: no heap allocation and no reference
+    count (.simd.borrow). For scratch that does not outlive the function."""
+    from numba.np.arrayobj import populate_array
+
+    arr_t = types.Array(types.float32, 1, "C")
+
+    def codegen(context, builder, sig, args):
+        slot = cgutils.alloca_once(builder, ir.ArrayType(ir.FloatType(), 16))
+        ary = context.make_array(arr_t)(context, builder)
+        shape = [context.get_constant(types.intp, 16)]
+        strides = [context.get_constant(types.intp, 4)]
+        populate_array(ary, data=builder.bitcast(slot, ir.FloatType().as_pointer()), shape=shape, strides=strides,
+                       itemsize=context.get_constant(types.intp, 4), meminfo=None)
+        return ary._getvalue()
+
+    return arr_t(), codegen
