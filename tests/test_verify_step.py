@@ -188,7 +188,7 @@ def _q4_singles(path, pos: int, feed: list[int]):
     block keys after the last."""
     key = (str(path), pos, tuple(feed))
     if key not in _SINGLES:
-        eng = _engine(path)
+        eng = _engine(path, graphs=False)      # eager steps: the recorder below sees every step (not only a capture)
         eng.generate(_long(pos), 1)
         il, mx = _qsa(eng)
         masks = []
