@@ -35,10 +35,9 @@ from .simd import (AVX2, blk_q4_k, blk_q5_k, dot8_scaled, dot32_s8, dot_halves, 
                    dot_iq4, dot_iq4_xs, dot_iq4_xs_r, dot_q4_k, dot_q6_k, q8_0_x8)
 from .simd import borrow
 from .simd import f16_at as fp16_at
-from .simd512 import AVX512, ISA, LAYOUTS as _LAYOUTS, PERM as _PERM, SUMS as _SUMS, stack_f32x16
 from .plan import plan, silu_mul_row, weighted_sum
 
-__all__ = ["CODES", "forward", "matvec", "row", "scratch", "dot_k", "BLOCK_BYTES", "arrange", "AVX512", "ISA"]
+__all__ = ["CODES", "forward", "matvec", "row", "scratch", "dot_k", "BLOCK_BYTES"]
 
 _F32 = np.float32
 
@@ -228,247 +227,6 @@ def _blocks_iq2_xs(w, base, nb, xq, xd, r):
     return a
 
 
-# AVX-512 (.simd512): up to 8 blocks per call, their float contributions into ``c`` (float32 [16]) in the
-# reference's order, added to the accumulator in block order; inlined into the loops over rows, which then hold
-# the kernels' constant tables for all their rows
-_3XXS_8, _3XXS_4, _3XXS_3, _3XXS_2, _3XXS_1 = (_SUMS["iq3_xxs"][n] for n in (8, 4, 3, 2, 1))
-_3S_8, _3S_4, _3S_3, _3S_2, _3S_1 = (_SUMS["iq3_s"][n] for n in (8, 4, 3, 2, 1))
-_2XS_8, _2XS_4, _2XS_3, _2XS_2, _2XS_1 = (_SUMS["iq2_xs"][n] for n in (8, 4, 3, 2, 1))
-_4XS_8, _4XS_4, _4XS_3, _4XS_2, _4XS_1 = (_SUMS["iq4_xs"][n] for n in (8, 4, 3, 2, 1))
-_Q4K_8, _Q4K_4, _Q4K_3, _Q4K_2, _Q4K_1 = (_SUMS["q4_k"][n] for n in (8, 4, 3, 2, 1))
-
-
-@njit(cache=True, inline="always")
-def _group(nb, bi):
-    """Blocks in the next call: 8, 4, 3, 2 or 1."""
-    n = nb - bi
-    return 8 if n >= 8 else 4 if n >= 4 else n
-
-
-@njit(cache=True, inline="always")
-def _row512_iq3_xxs(w, base, nb, xq, xo, xd, xdo, xs, xso, c):
-    a = _F32(0.0)
-    bi = 0
-    while bi < nb:
-        o = base + 98 * bi
-        n = _group(nb, bi)
-        if n == 8:
-            _3XXS_8(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 4:
-            _3XXS_4(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 3:
-            _3XXS_3(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 2:
-            _3XXS_2(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        else:
-            _3XXS_1(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        for j in range(n):
-            a = a + c[j]
-        bi += n
-    return a
-
-
-@njit(cache=True, inline="always")
-def _row512_iq3_s(w, base, nb, xq, xo, xd, xdo, xs, xso, c):
-    a = _F32(0.0)
-    bi = 0
-    while bi < nb:
-        o = base + 110 * bi
-        n = _group(nb, bi)
-        if n == 8:
-            _3S_8(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 4:
-            _3S_4(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 3:
-            _3S_3(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 2:
-            _3S_2(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        else:
-            _3S_1(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        for j in range(n):
-            a = a + c[j]
-        bi += n
-    return a
-
-
-@njit(cache=True, inline="always")
-def _row512_iq2_xs(w, base, nb, xq, xo, xd, xdo, xs, xso, c):
-    a = _F32(0.0)
-    bi = 0
-    while bi < nb:
-        o = base + 74 * bi
-        n = _group(nb, bi)
-        if n == 8:
-            _2XS_8(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 4:
-            _2XS_4(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 3:
-            _2XS_3(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 2:
-            _2XS_2(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        else:
-            _2XS_1(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        for j in range(n):
-            a = a + c[j]
-        bi += n
-    return a
-
-
-@njit(cache=True, inline="always")
-def _row512_iq4_xs(w, base, nb, xq, xo, xd, xdo, xs, xso, c):
-    a = _F32(0.0)
-    bi = 0
-    while bi < nb:
-        o = base + 136 * bi
-        n = _group(nb, bi)
-        if n == 8:
-            _4XS_8(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 4:
-            _4XS_4(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 3:
-            _4XS_3(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 2:
-            _4XS_2(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        else:
-            _4XS_1(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        for j in range(n):
-            a = a + c[j]
-        bi += n
-    return a
-
-
-@njit(cache=True, inline="always")
-def _row512_q4_k(w, base, nb, xq, xo, xd, xdo, xs, xso, c):
-    a = _F32(0.0)
-    bi = 0
-    while bi < nb:
-        o = base + 144 * bi
-        n = _group(nb, bi)
-        if n == 8:
-            _Q4K_8(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 4:
-            _Q4K_4(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 3:
-            _Q4K_3(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        elif n == 2:
-            _Q4K_2(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        else:
-            _Q4K_1(w, o, xq, xo + 256 * bi, xs, xso + 8 * bi, xd, xdo + bi, c)
-        for j in range(n):
-            a = a + c[j]
-        bi += n
-    return a
-
-
-@njit(cache=True, inline="always")
-def _row512(code, w, base, nb, xq, xo, xd, xdo, xs, xso, c):
-    if code == _IQ3_XXS:
-        return _row512_iq3_xxs(w, base, nb, xq, xo, xd, xdo, xs, xso, c)
-    if code == _IQ3_S:
-        return _row512_iq3_s(w, base, nb, xq, xo, xd, xdo, xs, xso, c)
-    if code == _IQ2_XS:
-        return _row512_iq2_xs(w, base, nb, xq, xo, xd, xdo, xs, xso, c)
-    if code == _IQ4_XS:
-        return _row512_iq4_xs(w, base, nb, xq, xo, xd, xdo, xs, xso, c)
-    return _row512_q4_k(w, base, nb, xq, xo, xd, xdo, xs, xso, c)
-
-
-@njit(cache=True)
-def _rows512_iq3_xxs(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out):
-    nx, ndx, nxs = xq.shape[1], xd.shape[1], xs.shape[1]
-    c = stack_f32x16()
-    for r in range(r0, r1):
-        o = base + r * stride
-        for k in range(dst.shape[0]):
-            t = tok[dst[k]]
-            out[dst[k], r] = _row512_iq3_xxs(w, o, nb, xq, t * nx, xd, t * ndx, xs, t * nxs, c)
-
-
-@njit(cache=True)
-def _rows512_iq3_s(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out):
-    nx, ndx, nxs = xq.shape[1], xd.shape[1], xs.shape[1]
-    c = stack_f32x16()
-    for r in range(r0, r1):
-        o = base + r * stride
-        for k in range(dst.shape[0]):
-            t = tok[dst[k]]
-            out[dst[k], r] = _row512_iq3_s(w, o, nb, xq, t * nx, xd, t * ndx, xs, t * nxs, c)
-
-
-@njit(cache=True)
-def _rows512_iq2_xs(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out):
-    nx, ndx, nxs = xq.shape[1], xd.shape[1], xs.shape[1]
-    c = stack_f32x16()
-    for r in range(r0, r1):
-        o = base + r * stride
-        for k in range(dst.shape[0]):
-            t = tok[dst[k]]
-            out[dst[k], r] = _row512_iq2_xs(w, o, nb, xq, t * nx, xd, t * ndx, xs, t * nxs, c)
-
-
-@njit(cache=True)
-def _rows512_iq4_xs(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out):
-    nx, ndx, nxs = xq.shape[1], xd.shape[1], xs.shape[1]
-    c = stack_f32x16()
-    for r in range(r0, r1):
-        o = base + r * stride
-        for k in range(dst.shape[0]):
-            t = tok[dst[k]]
-            out[dst[k], r] = _row512_iq4_xs(w, o, nb, xq, t * nx, xd, t * ndx, xs, t * nxs, c)
-
-
-@njit(cache=True)
-def _rows512_q4_k(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out):
-    nx, ndx, nxs = xq.shape[1], xd.shape[1], xs.shape[1]
-    c = stack_f32x16()
-    for r in range(r0, r1):
-        o = base + r * stride
-        for k in range(dst.shape[0]):
-            t = tok[dst[k]]
-            out[dst[k], r] = _row512_q4_k(w, o, nb, xq, t * nx, xd, t * ndx, xs, t * nxs, c)
-
-
-@njit(cache=True, inline="always")
-def _rows512(code, w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out):
-    """out[p, r] = row r (at byte base + r * stride of w) times activation
-    row tok[p], for r0 <= r < r1 and p in dst: one function per type, each
-    with its own loop over the rows (in the one function that holds every
-    type's code, LLVM compiled these loops to 0.6 of their speed)."""
-    if code == _IQ3_XXS:
-        _rows512_iq3_xxs(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out)
-    elif code == _IQ3_S:
-        _rows512_iq3_s(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out)
-    elif code == _IQ2_XS:
-        _rows512_iq2_xs(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out)
-    elif code == _IQ4_XS:
-        _rows512_iq4_xs(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out)
-    else:
-        _rows512_q4_k(w, base, stride, r0, r1, nb, xq, xd, xs, tok, dst, out)
-
-
-@njit(cache=True, inline="always")
-def _has512(code):
-    return AVX512 and _LAYOUTS[code] >= 0
-
-
-@njit(cache=True)
-def arrange(code, qs):
-    """One activation row ``qs`` (int8 [n], natural order) put in place into
-    the order type ``code``'s AVX-512 kernel reads (.simd512.PERM); nothing
-    to do for other types or without AVX-512."""
-    if not AVX512:
-        return
-    kind = _LAYOUTS[code]
-    if kind <= 0:
-        return
-    tmp = np.empty(256, np.int8)
-    for b0 in range(0, qs.shape[0] - 255, 256):
-        for i in range(256):
-            tmp[i] = qs[b0 + i]
-        for i in range(256):
-            qs[b0 + i] = tmp[_PERM[kind, i]]
-
-
 @njit(cache=True, inline="always")
 def _row_at(code, w, base, nb, xq, xd, xs, arow, nt, acc, w64, w8, sc, mn):
     """acc[k] = the row at byte ``base`` of ``w`` (uint8, nb blocks) times
@@ -477,13 +235,6 @@ def _row_at(code, w, base, nb, xq, xd, xs, arow, nt, acc, w64, w8, sc, mn):
     made per row, so no reference count is touched in the loop over rows."""
     frac = _FRACTION[code]
     nx = xq.shape[1]
-    if AVX512 and _LAYOUTS[code] >= 0:
-        # token by token (the row stays in L1), the activations in the kernel's order (arrange)
-        cf = sc.view(np.float32)        # the blocks' float contributions
-        for k in range(nt):
-            r = arow[k]
-            acc[k] = _row512(code, w, base, nb, xq, r * nx, xd, r * xd.shape[1], xs, r * xs.shape[1], cf)
-        return
     if AVX2 and (code == _Q8_0 or code == _Q4_K or code == _Q5_K or code == _Q6_K):
         # blocks read in vector registers, no scratch: token by token (the row stays in L1), each block's
         # float step in the reference's order onto a register accumulator
@@ -674,11 +425,6 @@ def _matvec(code, rows, nb, xq, xd, xs, out):
     arow = np.arange(nt)
     chunk = 16      # rows per work item
     for c in prange((n_rows + chunk - 1) // chunk):
-        if _has512(code):      # no scratch on the heap
-            ba = borrow(arow)
-            _rows512(code, borrow(flat), 0, rb, c * chunk, min(n_rows, (c + 1) * chunk), nb, borrow(xq), borrow(xd),
-                     borrow(xs), ba, ba, borrow(out))
-            continue
         w64, w8, sc, mn, acc, _ = _scratch_of(nt)
         # borrowed views (.simd.borrow): the scratch stays alive through acc, used in the loop; rows, xq, xd,
         # xs and arow are arguments of this parallel body
@@ -706,10 +452,6 @@ def matvec(rows: np.ndarray, qtype: GGMLType, acts) -> np.ndarray:
     """Same contract as :func:`.reference.matvec_ref`."""
     code = CODES[qtype]
     xq = acts.qs
-    if AVX512 and _LAYOUTS[code] > 0:
-        xq = xq.copy()
-        for r in range(xq.shape[0]):
-            arrange(code, xq[r])
     out = np.empty((acts.qs.shape[0], rows.shape[0]), np.float32)
     nb = rows.shape[1] // _BLOCK_BYTES[code]
     _matvec(code, np.ascontiguousarray(rows), nb, xq, acts.d, acts.sums, out)
@@ -732,7 +474,6 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
     tmp = np.empty(34, np.uint8)
     for t in range(n_t):
         quantize_row(x[t], gu_k, xd[t], xq[t], xs[t], tmp)
-        arrange(gu_code, xq[t])
     # gate and up rows of each distinct expert, for all its tokens
     g = np.empty((n_p, n_ff), np.float32)
     up = np.empty((n_p, n_ff), np.float32)
@@ -746,13 +487,6 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
         e = uexp[ui]
         p0 = ustart[ui]
         nt = ustart[ui + 1] - p0
-        if _has512(gu_code):      # no scratch on the heap; the pairs' rows of g and up, their tokens' activations
-            bf, bq, bd, bs, bt, bg, bu = borrow(flat), borrow(xq), borrow(xd), borrow(xs), borrow(ptok), borrow(g), borrow(up)
-            dst = borrow(upairs)[p0:p0 + nt]
-            r1 = min(n_ff, (c + 1) * chunk)
-            _rows512(gu_code, bf, e * eb, gu_rb, c * chunk, r1, nbg, bq, bd, bs, bt, dst, bg)
-            _rows512(gu_code, bf, e * eb + n_ff * gu_rb, gu_rb, c * chunk, r1, nbg, bq, bd, bs, bt, dst, bu)
-            continue
         w64, w8, sc, mn, acc, arow = _scratch_of(nt)
         for k in range(nt):
             arow[k] = ptok[upairs[p0 + k]]
@@ -776,10 +510,8 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
         h = np.empty(n_ff, np.float32)
         silu_mul_row(g[p], up[p], h)
         quantize_row(h, down_k, hd[p], hq[p], hs[p], np.empty(34, np.uint8))
-        arrange(down_code, hq[p])
     # down rows
     y = np.empty((n_p, n_embd), np.float32)
-    pairs = np.arange(n_p)
     nbd = down_rb // _BLOCK_BYTES[down_code]
     nch = (n_embd + chunk - 1) // chunk
     for it in prange(n_u * nch):
@@ -788,10 +520,6 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
         e = uexp[ui]
         p0 = ustart[ui]
         nt = ustart[ui + 1] - p0
-        if _has512(down_code):    # the pairs' rows of y, each pair's activations (silu * up)
-            _rows512(down_code, borrow(flat), e * eb + down_off, down_rb, c * chunk, min(n_embd, (c + 1) * chunk), nbd,
-                     borrow(hq), borrow(hd), borrow(hs), borrow(pairs), borrow(upairs)[p0:p0 + nt], borrow(y))
-            continue
         w64, w8, sc, mn, acc, arow = _scratch_of(nt)
         for k in range(nt):
             arow[k] = upairs[p0 + k]

@@ -203,7 +203,6 @@ def _job(tid, nthr, kind, p, buf, li, n_cpu, box, K, res, sync, gen, g, u, sel, 
         _call_from_float(p[_P_GU_FF], np.int64(x.ctypes.data), np.int64(xq.ctypes.data), n_embd)
     else:
         quantize_row(x, fle_numba.dot_k(gu_code), xd[0], xq8[0, :n_embd], xs[0], tmp)
-        fle_numba.arrange(gu_code, xq8[0, :n_embd])
     # gate and up rows: this member's contiguous share of the n_cpu * n_ff
     rows = n_cpu * n_ff
     r0 = tid * rows // nthr
@@ -236,7 +235,6 @@ def _job(tid, nthr, kind, p, buf, li, n_cpu, box, K, res, sync, gen, g, u, sel, 
             _call_from_float(p[_P_D_FF], np.int64(h.ctypes.data), np.int64(hq[pp].ctypes.data), n_ff)
         else:
             quantize_row(h[:n_ff], fle_numba.dot_k(d_code), hd[pp], hq8[pp, :n_ff], hs[pp], tmp)
-            fle_numba.arrange(d_code, hq8[pp, :n_ff])
     # output rows: this member's share, each the sum over the experts in routing order from zero
     r0 = tid * n_embd // nthr
     r1 = (tid + 1) * n_embd // nthr
