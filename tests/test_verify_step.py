@@ -430,7 +430,7 @@ def _expert_store(qtype, n_exp, n_ff, n_embd, cached, seed):
     return host, slots, slot_of, dict(n_in_d=n_in_d, rb_gu=rb_gu, rb_d=rb_d, d_off=d_off, eb=eb)
 
 
-@pytest.mark.parametrize("qtype,mode", [(GGMLType.IQ4_XS, "miss"), (GGMLType.Q8_0, "hit")])
+@pytest.mark.parametrize("qtype,mode", [(GGMLType.IQ4_XS, "miss"), (GGMLType.IQ4_XS, "hit"), (GGMLType.Q8_0, "hit")])
 def test_experts_union_kernel_reads_each_expert_once(fast, qtype, mode):
     """Three tokens of three experts each: expert 2 (missed) is routed by all
     three, expert 1 (cached) by two. The fast kernel's products equal the

@@ -52,7 +52,7 @@ from torch import Tensor
 from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 
 from . import triton_quant as _tq
-from .triton_quant import _FORMATS, _decode, _iq4_xs_rows_fast, _lut, _value_index
+from .triton_quant import _FORMATS, _decode, _iq4_xs_rows_fast, _iq4_xs_rows_fast_multi, _lut, _value_index
 
 __all__ = ["gdn_tokens", "experts", "experts_union", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv",
            "qk_rope_kv_multi", "attention", "attention_multi", "embed_row", "hc_write_norm", "hc_mix", "gather_rows",
@@ -221,7 +221,8 @@ def _expert_union_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_pt
                          stride_x, stride_y,
                          QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
                          N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr, RP: tl.constexpr,
-                         TP: tl.constexpr, LOG_READS: tl.constexpr):
+                         TP: tl.constexpr, LOG_READS: tl.constexpr, FAST: tl.constexpr = 0,
+                         PAIRED: tl.constexpr = False):
     # Program (pid_n, r): if row r is the first row of its expert among the n_rows rows of the step, output
     # rows [pid_n * BLOCK_N, +BLOCK_N) of every row (at most TP) routed to that expert, each chunk of the
     # weights decoded once for all of them; otherwise nothing. Each distinct expert is read once.
@@ -253,17 +254,47 @@ def _expert_union_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_pt
             x_rows = rows // n_used
         else:
             x_rows = rows
-        g = _expert_rows_union(wv, lut_ptr, row_w, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE, A, B, C,
-                               N_CHUNKS, BLOCK_N, TP)
         if GATE_UP:
             row_u = row_w + n_out.to(tl.int64) * row_words      # the up rows follow the gate rows
-            u = _expert_rows_union(wv, lut_ptr, row_u, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE, A,
-                                   B, C, N_CHUNKS, BLOCK_N, TP)
+            if FAST == 1 and QTYPE == 23 and PAIRED:
+                # gate and up rows in one loop, each chunk decoded once for every row of the expert
+                gu = _iq4_union_rows(wv, tl.reshape(tl.join(row_w, row_u), [2 * BLOCK_N]), x_ptr, x_rows, cnt,
+                                     stride_x, N_CHUNKS, 2 * BLOCK_N, TP)
+                g, u = tl.split(tl.reshape(gu, [TP, BLOCK_N, 2]))
+            elif FAST == 1 and QTYPE == 23:
+                g = _iq4_union_rows(wv, row_w, x_ptr, x_rows, cnt, stride_x, N_CHUNKS, BLOCK_N, TP)
+                u = _iq4_union_rows(wv, row_u, x_ptr, x_rows, cnt, stride_x, N_CHUNKS, BLOCK_N, TP)
+            else:
+                g = _expert_rows_union(wv, lut_ptr, row_w, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE, A,
+                                       B, C, N_CHUNKS, BLOCK_N, TP)
+                u = _expert_rows_union(wv, lut_ptr, row_u, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE, A,
+                                       B, C, N_CHUNKS, BLOCK_N, TP)
             out = g / (1.0 + tl.exp(-g)) * u
+        elif FAST == 1 and QTYPE == 23:
+            g = _iq4_union_rows(wv, row_w, x_ptr, x_rows, cnt, stride_x, N_CHUNKS, BLOCK_N, TP)
         else:
+            g = _expert_rows_union(wv, lut_ptr, row_w, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE, A, B, C,
+                                   N_CHUNKS, BLOCK_N, TP)
+        if not GATE_UP:
             out = g * tl.load(wts_ptr + rows, mask=valid, other=0.0)[:, None]
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :], out,
                  mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _iq4_union_rows(wv, row_w, x_ptr, x_rows, cnt, stride_x, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    TP: tl.constexpr):
+    """[TP, BLOCK_N]: IQ4_XS rows times the first ``cnt`` activation rows of ``x_rows`` through the
+    byte-permute decoder; an expert that one row alone routes to (the common case) takes the
+    one-row loop, so that no products are computed for the empty slots."""
+    t_idx = tl.arange(0, TP)
+    if cnt == 1:
+        x0 = tl.sum(tl.where(t_idx == 0, x_rows, 0), axis=0).to(tl.int64)
+        y1 = _iq4_xs_rows_fast(wv, row_w, x_ptr + x0 * stride_x, N_CHUNKS, BLOCK_N)
+        y = tl.where((t_idx == 0)[:, None], y1[None, :], 0.0)
+    else:
+        y = _iq4_xs_rows_fast_multi(wv, row_w, x_ptr, x_rows, cnt, stride_x, N_CHUNKS, BLOCK_N, TP)
+    return y
 
 
 @triton.jit
@@ -315,7 +346,8 @@ def experts_union(words: Tensor, qtype: GGMLType, host_delta: int, part_words: i
         x.stride(0), out.stride(0),
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
         BLOCK_N=block_n, GATE_UP=gate_up, RP=triton.next_power_of_2(n_rows),
-        TP=triton.next_power_of_2(max(1, n_rows // n_used)), LOG_READS=reads is not None, num_warps=warps)
+        TP=triton.next_power_of_2(max(1, n_rows // n_used)), LOG_READS=reads is not None, FAST=_decode_code(mode),
+        PAIRED=PAIRED[mode], num_warps=warps)
     return out
 
 

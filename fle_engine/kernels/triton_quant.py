@@ -144,6 +144,43 @@ def _iq4_xs_rows_fast(wv, row_w, x_base, N_CHUNKS: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
+def _iq4_xs_rows_fast_multi(wv, row_w, x_ptr, x_rows, cnt, stride_x, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                            TP: tl.constexpr):
+    """[TP, BLOCK_N] products of IQ4_XS rows (word offsets ``row_w``) with the first ``cnt`` of the
+    activation rows ``x_rows`` [TP] (row indices into ``x_ptr``, ``stride_x`` apart; the other slots
+    give zeros), through the byte-permute decoder: each chunk of weights is decoded once for all
+    the rows, per 32-value sub-block the code-book values times the activations are summed, then
+    scaled once (as :func:`_iq4_xs_rows_fast` row by row)."""
+    a = tl.arange(0, 8)
+    b = tl.arange(0, 4)
+    t = tl.arange(0, TP)
+    xo = 32 * a[:, None] + 4 * b[None, :]                      # [8, 4]: value 4 b of sub-block a
+    xr = x_ptr + tl.where(t < cnt, x_rows, 0).to(tl.int64)[:, None, None] * stride_x + xo[None, :, :]  # [TP, 8, 4]
+    xm = (t < cnt)[:, None, None] & (xo >= 0)[None, :, :]
+    acc = tl.zeros([TP, BLOCK_N, 8, 4], dtype=tl.float32)
+    for kc in range(0, N_CHUNKS):
+        bw = row_w + kc * 34
+        h0 = tl.load(wv + bw)
+        h1 = tl.load(wv + bw + 1)
+        d = _half(h0)
+        ls = ((h1[:, None] >> (4 * a)[None, :]) & 0xF) | (((h0[:, None] >> (16 + 2 * a)[None, :]) & 3) << 4)
+        dl = d[:, None] * (ls - 32).to(tl.float32)            # [BN, 8]
+        q = tl.load(wv + bw[:, None, None] + 2 + (4 * a)[None, :, None] + b[None, None, :])   # [BN, 8, 4]
+        v0, v1, v2, v3, v4, v5, v6, v7 = _iq4_vals(q)
+        xb = xr + kc * 256
+        s = v0[None] * tl.load(xb, mask=xm, other=0.0)[:, None]
+        s += v1[None] * tl.load(xb + 1, mask=xm, other=0.0)[:, None]
+        s += v2[None] * tl.load(xb + 2, mask=xm, other=0.0)[:, None]
+        s += v3[None] * tl.load(xb + 3, mask=xm, other=0.0)[:, None]
+        s += v4[None] * tl.load(xb + 16, mask=xm, other=0.0)[:, None]
+        s += v5[None] * tl.load(xb + 17, mask=xm, other=0.0)[:, None]
+        s += v6[None] * tl.load(xb + 18, mask=xm, other=0.0)[:, None]
+        s += v7[None] * tl.load(xb + 19, mask=xm, other=0.0)[:, None]
+        acc += dl[None, :, :, None] * s
+    return tl.sum(tl.sum(acc, axis=3), axis=2)
+
+
+@triton.jit
 def _decode_q8_0(wv, row_w, kc, n_blocks, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
     # block, 17 halfwords: d f16 | qs int8[32]. Tile [BN, A blocks, B = 16 halfwords, C = 2 bytes]:
     # value 32 a + 2 b + c of the chunk
