@@ -1,4 +1,5 @@
-"""MTP speculative decoding on the engine (fle_engine.runtime.mtp), qwen3next.
+"""MTP speculative decoding on the engine (fle_engine.runtime.mtp), qwen3next
+and qwen4exp.
 
 The engine's loop -- trunk token, head drafts, one verify step, the longest
 agreeing prefix kept, the rest rewound from the GDN snapshots -- gives the
@@ -6,12 +7,16 @@ tokens of plain engine decoding, greedy and sampled; a head that agrees
 with the trunk has every draft accepted, one verify step settling 1 + n
 tokens; after a rejection the engine's state is that of a fresh run fed
 the kept tokens; and the head is called as the reference path calls it,
-so its drafts are the reference path's. Without CUDA the engine runs its
-reference operations (as tests/test_engine.py and test_verify_step.py).
+so its drafts are the reference path's (qwen3next's head reading the
+trunk's post-norm hidden states, qwen4exp's its wide hyper-connection
+residual, kept by prefill and by the verify steps). Without CUDA the engine
+runs its reference operations (as tests/test_engine.py and
+test_verify_step.py).
 """
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -48,12 +53,30 @@ def next_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def budget(next_file):
+def q4_file(tmp_path_factory):
+    """qwen4exp with its MTP block inside the file: 3 GDN layers (one with
+    PLE), a QSA layer (blocks of 4 positions), 4 hyper-connection streams;
+    its head attends densely."""
+    return make_model(tmp_path_factory.mktemp("engine_mtp_q4") / "q.gguf", "qwen4exp", seed=5, mix="release",
+                      routing_skew=1.0, mtp="inside")
+
+
+def _budget(path):
     """Two slots per layer of eight experts: a cache smaller than the experts."""
-    probe = _engine(next_file)
+    probe = _engine(path)
     n = max(lay.expert_bytes for lay in probe.net.layouts.values())
     probe.close()
     return 2 * n * probe.args.n_layer
+
+
+@pytest.fixture(scope="module")
+def budget(next_file):
+    return _budget(next_file)
+
+
+@pytest.fixture(scope="module")
+def q4_budget(q4_file):
+    return _budget(q4_file)
 
 
 def _engine(path, budget=0, ctx=N + 48, mtp=None, **kw):
@@ -61,15 +84,32 @@ def _engine(path, budget=0, ctx=N + 48, mtp=None, **kw):
                   profile_path="none", progress=False, log=lambda m: None, mtp=mtp, **kw)
 
 
-@pytest.fixture(scope="module")
-def plain(next_file, budget):
+def _plain(path, budget):
     """Plain greedy engine decoding of N tokens after each prompt."""
     out = {}
     for name, prompt in (("short", SHORT), ("long", LONG)):
-        eng = _engine(next_file, budget)
+        eng = _engine(path, budget)
         out[name] = eng.generate(prompt, N)
         eng.close()
     return out
+
+
+@pytest.fixture(scope="module")
+def plain(next_file, budget):
+    return _plain(next_file, budget)
+
+
+@pytest.fixture(scope="module")
+def q4_plain(q4_file, q4_budget):
+    return _plain(q4_file, q4_budget)
+
+
+@pytest.fixture(scope="module", params=["qwen3next", "qwen4exp"])
+def arch(request):
+    """The file, cache budget and plain tokens of one architecture (its fixtures made on first use)."""
+    names = ("next_file", "budget", "plain") if request.param == "qwen3next" else ("q4_file", "q4_budget", "q4_plain")
+    path, budget, plain = (request.getfixturevalue(n) for n in names)
+    return SimpleNamespace(name=request.param, path=path, budget=budget, plain=plain)
 
 
 def _prompt(name):
@@ -77,13 +117,14 @@ def _prompt(name):
 
 
 @pytest.mark.parametrize("n_draft,name", [(1, "short"), (3, "long")])
-def test_greedy_equals_plain_engine(next_file, budget, plain, n_draft, name):
+def test_greedy_equals_plain_engine(arch, n_draft, name):
     """(a) 256 greedy tokens with the real head's drafts, checked in verify
-    steps with a cache smaller than the experts: the plain tokens."""
-    eng = _engine(next_file, budget, mtp=True)
+    steps with a cache smaller than the experts: the plain tokens (the long
+    prompt through prefill, whose hidden rows the head reads)."""
+    eng = _engine(arch.path, arch.budget, mtp=True)
     stats = SpecStats()
     got = list(eng.speculative(_prompt(name), N, n_draft=n_draft, stats=stats))
-    assert got == plain[name]
+    assert got == arch.plain[name]
     assert stats.drafted > 0 and stats.reached and stats.reached[0] == sum(stats.steps[1:])
     assert stats.trunk_calls == sum(stats.steps)            # one verify step per step, no settling call
     assert eng.cache.stats.hit_rate < 1.0                   # the cache really misses
@@ -116,32 +157,36 @@ def _oracle_head(monkeypatch, head, seq, wrong_after=None, n_vocab=None):
 
 
 @pytest.mark.parametrize("n_draft", [1, 3])
-def test_agreeing_head_has_every_draft_accepted(next_file, budget, plain, monkeypatch, n_draft):
+def test_agreeing_head_has_every_draft_accepted(arch, monkeypatch, n_draft):
     """(b) A head whose logits are the trunk's own continuation: every draft
-    is accepted and one verify step settles 1 + n tokens, so N tokens take
-    ceil((N - 1) / (1 + n)) verify steps after the prompt."""
+    is accepted and one verify step settles 1 + n tokens, so n_tok tokens
+    take ceil((n_tok - 1) / (1 + n)) verify steps after the prompt (N on
+    qwen3next; 128 on qwen4exp, whose 256-token runs (a) covers)."""
     prompt = SHORT
-    seq = prompt + plain["short"]
-    eng = _engine(next_file, budget, mtp=True)
+    n_tok = N if arch.name == "qwen3next" else 128
+    seq = prompt + arch.plain["short"]
+    eng = _engine(arch.path, arch.budget, mtp=True)
     _oracle_head(monkeypatch, eng.drafter.mtp, seq)
     stats = SpecStats()
-    got = list(eng.speculative(prompt, N, n_draft=n_draft, stats=stats))
-    assert got == plain["short"]
+    got = list(eng.speculative(prompt, n_tok, n_draft=n_draft, stats=stats))
+    assert got == arch.plain["short"][:n_tok]
     assert stats.accepted == stats.drafted > 0
-    assert stats.trunk_calls == -(-(N - 1) // (n_draft + 1))
+    assert stats.trunk_calls == -(-(n_tok - 1) // (n_draft + 1))
     assert stats.by_position() == [1.0] * n_draft
     eng.close()
 
 
 @pytest.mark.parametrize("keep", [1, 2])
-def test_state_after_rejection_equals_a_fresh_run(next_file, budget, plain, monkeypatch, keep):
+def test_state_after_rejection_equals_a_fresh_run(arch, monkeypatch, keep):
     """(c) Drafts right for ``keep - 1`` places, then wrong: after each step
-    the rejected drafts are rewound (GDN states from the step's snapshots)
-    and the engine equals a fresh engine fed the prompt and the kept tokens
-    -- its recurrent states, its position, and the logits of the next step."""
+    the rejected drafts are rewound (GDN states from the step's snapshots;
+    on qwen4exp the PLE token and conv histories too) and the engine equals
+    a fresh engine fed the prompt and the kept tokens -- its recurrent
+    states, its position, and the logits of the next step."""
     prompt = SHORT
+    plain, budget = arch.plain, arch.budget
     seq = prompt + plain["short"]
-    eng = _engine(next_file, budget, mtp=True)
+    eng = _engine(arch.path, budget, mtp=True)
     _oracle_head(monkeypatch, eng.drafter.mtp, seq, wrong_after=keep - 1)
     stats = SpecStats()
     gen = eng.speculative(prompt, 60, n_draft=3, stats=stats)
@@ -150,13 +195,15 @@ def test_state_after_rejection_equals_a_fresh_run(next_file, budget, plain, monk
     assert taken == plain["short"][:len(taken)]
     assert stats.trunk_calls == 5 and stats.accepted == 5 * (keep - 1) and stats.drafted == 15
     assert eng.launched == len(prompt) + len(taken) - 1
-    fresh = _engine(next_file, budget)
+    fresh = _engine(arch.path, budget)
     assert fresh.generate(prompt + taken[:-1], 1) == [taken[-1]]
     assert fresh.launched == eng.launched
-    for il, rec in enumerate(eng.args.recurrent):
-        if rec:
-            for a, b in zip(eng.state.kv[il], fresh.state.kv[il]):
-                assert float((a - b).abs().max()) <= 1e-4 * (float(b.abs().max()) or 1.0)
+    mine, theirs = eng.net.recurrent_backup(eng.state), fresh.net.recurrent_backup(fresh.state)
+    assert len(mine) == len(theirs) == sum(eng.args.recurrent) + (arch.name == "qwen4exp")
+    for x, y in zip(mine, theirs):
+        assert x[0] == y[0]
+        for a, b in zip(x[1:], y[1:]):
+            assert float((a - b).abs().max()) <= 1e-4 * (float(b.abs().max()) or 1.0)
     for e in (eng, fresh):
         e.verify_step([taken[-1]])
     a, b = eng.state.bufs.logits[0], fresh.state.bufs.logits[0]
@@ -186,7 +233,7 @@ def _recorder(calls, seq, right):
 
 
 @pytest.mark.parametrize("name,with_vocab", [("short", False), ("long", True)])
-def test_drafts_equal_the_reference_paths(next_file, plain, monkeypatch, name, with_vocab):
+def test_drafts_equal_the_reference_paths(arch, monkeypatch, name, with_vocab):
     """(d) The same prompt on the reference path (generate_speculative) and
     on the engine: the head is called with the same pairs at the same
     positions, so every call drafts the same tokens with the same logits
@@ -195,6 +242,7 @@ def test_drafts_equal_the_reference_paths(next_file, plain, monkeypatch, name, w
     rejections; and with a draft vocabulary, drafts only from its list."""
     prompt = _prompt(name)
     n_tok = 48
+    next_file, plain = arch.path, arch.plain
     seq = prompt + plain[name]
     vocab = DraftVocab(list(range(0, 512, 3))) if with_vocab else None
     right = lambda s: (0, 1, 3)[s % 3]        # noqa: E731 - step s: that many of its drafts right
@@ -224,11 +272,12 @@ def test_drafts_equal_the_reference_paths(next_file, plain, monkeypatch, name, w
             assert set(d_e) <= set(vocab.ids.tolist())
 
 
-def test_separate_head_file(tmp_path):
+@pytest.mark.parametrize("name", ["qwen3next", "qwen4exp"])
+def test_separate_head_file(tmp_path, name):
     """The head in a separate file (--mtp-head) drafts as the one inside the
     model file does."""
-    inside = make_model(tmp_path / "in.gguf", "qwen3next", seed=5, mix="release", mtp="inside")
-    sep = make_model(tmp_path / "sep.gguf", "qwen3next", seed=5, mix="release", mtp="separate")
+    inside = make_model(tmp_path / "in.gguf", name, seed=5, mix="release", mtp="inside")
+    sep = make_model(tmp_path / "sep.gguf", name, seed=5, mix="release", mtp="separate")
     drafts = []
     for path, spec in ((inside, True), (sep, str(mtp_path(sep)))):
         eng = _engine(path, ctx=64, mtp=spec)
@@ -287,7 +336,7 @@ def test_adaptive_drafting(next_file, plain):
 
 def test_refusals(next_file, tmp_path):
     """No head in the file; more drafts than a verify step takes; an
-    architecture without the T-token step (qwen4exp, for now)."""
+    architecture without a head builder."""
     bare = make_model(tmp_path / "bare.gguf", "qwen3next", seed=4, mix="release")
     with pytest.raises(FleError, match="no MTP head inside"):
         _engine(bare, ctx=32, mtp=True)
@@ -299,9 +348,8 @@ def test_refusals(next_file, tmp_path):
     with pytest.raises(FleError, match="1 to 3 tokens ahead"):
         next(eng.speculative(SHORT, 4, n_draft=4))
     eng.close()
-    q4 = make_model(tmp_path / "q4.gguf", "qwen4exp", seed=5, mix="release", mtp="inside")
-    with pytest.raises(FleError, match="verify step|runs qwen3next files"):
-        _engine(q4, ctx=32, mtp=True)
+    with pytest.raises(FleError, match="runs qwen3next, qwen4exp files"):
+        rmtp.load_head(SimpleNamespace(args=SimpleNamespace(arch="qwen3moe")), next_file, DEVICE, None, False)
 
 
 def test_cli_generate_mtp_runs_on_the_engine(next_file, monkeypatch, capsys, tmp_path):

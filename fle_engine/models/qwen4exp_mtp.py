@@ -41,7 +41,7 @@ from ..mtp import MTPState, draft, open_head_file
 from .qwen3moe import param
 from .qwen4exp import HCMixer, ModelArgs, QSACache, QSAttention, grouped_rms, hc_write, load_moe
 
-__all__ = ["MTPHead", "MTPState", "load_mtp", "draft"]
+__all__ = ["MTPHead", "MTPState", "load_mtp", "draft", "same_hparams", "head_args"]
 
 
 class MTPHead(nn.Module):
@@ -74,18 +74,32 @@ class MTPHead(nn.Module):
         trunk residuals ``hidden`` [T, S, D] at ``positions`` [T]; with
         ``return_hidden`` also the head's own wide residual [T, S, D], what
         a further drafting step reads in place of the trunk's."""
+        x = self.body(F.embedding(next_tokens, self.embed), hidden, cache, positions, rope_cos, rope_sin)
+        logits = F.linear(self.readout(x), self.output)
+        return (logits, x) if return_hidden else logits
+
+    def body(self, embedded: Tensor, hidden: Tensor, cache: QSACache, positions: Tensor, rope_cos: Tensor,
+             rope_sin: Tensor) -> Tensor:
+        """The head between its embedding and its head mixer: the embedding
+        rows of the next tokens ``embedded`` [T, D] and the trunk residuals
+        [T, S, D] -> the head's own wide residual [T, S, D] (what the
+        engine's drafting, :mod:`fle_engine.runtime.mtp`, runs with its own
+        embedding and output products; :meth:`readout` then gives the
+        output product's input)."""
         a = self.a
-        e = L.rms_norm(F.embedding(next_tokens, self.embed), self.enorm, a.eps)          # [T, D]
+        e = L.rms_norm(embedded, self.enorm, a.eps)                                       # [T, D]
         h = grouped_rms(hidden, self.hnorm, a.eps)                                         # [T, S, D]
         x = F.linear(torch.cat([e[:, None, :].expand_as(h), h], -1), self.eh_proj)        # [T, S, D]
         cos, sin = rope_cos[positions], rope_sin[positions]
         xin, inject = self.hc_attn(x)
         x = hc_write(x, self.attn(xin, cache, positions, cos, sin, rope_cos, rope_sin), inject, False)
         xin, inject = self.hc_ffn(x)
-        x = hc_write(x, self.moe(xin), inject, False)
+        return hc_write(x, self.moe(xin), inject, False)
+
+    def readout(self, x: Tensor) -> Tensor:
+        """The head mixer: the head's wide residual [T, S, D] -> the output product's input [T, D]."""
         y, _ = self.head_hc(x)
-        logits = F.linear(y, self.output)
-        return (logits, x) if return_hidden else logits
+        return y
 
 
 def _trunk(model):
@@ -95,6 +109,20 @@ def _trunk(model):
     return net
 
 
+def same_hparams(a: ModelArgs) -> dict[str, int]:
+    """The hyperparameters that a head file must share with the trunk ``a``."""
+    return {"embedding_length": a.n_embd, "hyper_connection.count": a.hc, "expert_count": a.n_expert,
+            "attention.head_count": a.n_head}
+
+
+def head_args(w: Weights, a: ModelArgs) -> ModelArgs:
+    """The trunk's ``a`` with the head's compress ratio (of the head file
+    ``w``; 0, dense, when it gives none) after the trunk's."""
+    compress = [int(c) for c in w.hp("attention.compress_ratios", [])]
+    head_ratio = compress[a.n_layer] if len(compress) > a.n_layer else 0
+    return replace(a, compress=a.compress[:a.n_layer] + (head_ratio,))
+
+
 def load_mtp(model, path: "str | os.PathLike[str]") -> MTPHead:
     """Attach the MTP head in ``path`` (a separate head file, or a trunk
     file that holds block N) to ``model`` (a loaded qwen4exp
@@ -102,12 +130,9 @@ def load_mtp(model, path: "str | os.PathLike[str]") -> MTPHead:
     this carry the head's cache."""
     net = _trunk(model)
     a = net.args
-    gguf, w = open_head_file(path, net, {"embedding_length": a.n_embd, "hyper_connection.count": a.hc,
-                                           "expert_count": a.n_expert, "attention.head_count": a.n_head})
+    gguf, w = open_head_file(path, net, same_hparams(a))
     try:
-        compress = [int(c) for c in w.hp("attention.compress_ratios", [])]
-        head_ratio = compress[a.n_layer] if len(compress) > a.n_layer else 0
-        head = MTPHead(w, replace(a, compress=a.compress[:a.n_layer] + (head_ratio,)), net.tok_embd, net.output)
+        head = MTPHead(w, head_args(w, a), net.tok_embd, net.output)
     finally:
         gguf.close()
     head.eval()

@@ -653,8 +653,8 @@ class Engine:
         follow continue from its end. Returns the greedy next token, or None
         when the GPU ran out of memory or failed: prefill is then off for
         this engine, the sequence is reset and the prompt runs as decode
-        steps (said in one line). ``keep_hidden``: the prompt's post-norm
-        hidden states are left in ``self.prefill.hidden``."""
+        steps (said in one line). ``keep_hidden``: the prompt's rows that an
+        MTP head reads are left in ``self.prefill.hidden``."""
         start = self.launched
         try:
             self.prefill.run(prompt[start:], start, keep_history=True, keep_hidden=keep_hidden)

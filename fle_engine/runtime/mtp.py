@@ -2,10 +2,15 @@
 to three tokens, one verify step of the trunk checks them, the longest
 agreeing prefix is kept and the rest rewound.
 
-The head (:class:`Head`) is the reference head's block
-(:meth:`fle_engine.models.qwen3next_mtp.MTPHead.body`: its norms,
-``eh_proj``, one gated-attention layer with its MoE) on the engine's
-device in float32, run eagerly with torch operations; its embedding and
+The head (:class:`Head`) is the reference head's block on the engine's
+device in float32, run eagerly with torch operations:
+:meth:`fle_engine.models.qwen3next_mtp.MTPHead.body` (its norms,
+``eh_proj``, one gated-attention layer with its MoE) or
+:meth:`fle_engine.models.qwen4exp_mtp.MTPHead.body` (its norms, ``eh_proj``
+on the S streams, its hyper-connections around a dense QSA-shaped
+attention layer and its MoE; then ``readout``, the head mixer, before the
+output product, while further drafting steps read the wide residual
+``body`` returns). Its embedding and
 output products are the engine's matrices (the trunk's ``token_embd`` and
 ``output`` in their GGUF bytes, when the head file has none of its own),
 so the head adds no copy of the vocabulary tables. Its routed experts are
@@ -14,9 +19,11 @@ memory, else streamed from the file per call (``experts``). The head has
 its own KV cache of the engine's context.
 
 Drafting is :func:`fle_engine.mtp.draft` itself, on a :class:`Drafter`
-that queues what the trunk produced: the post-norm hidden states of the
-positions the trunk settled (prefill's or the decode steps' for the
-prompt; a verify step's rows for its kept tokens) with their tokens, so
+that queues what the trunk produced: the hidden rows of the positions the
+trunk settled (prefill's or the decode steps' for the prompt; a verify
+step's rows for its kept tokens) with their tokens -- qwen3next's post-norm
+hidden state, qwen4exp's wide residual after the last layer (the net's
+``mtp_hidden``; prefill's ``prefill_trunk`` keeps it) -- so
 that the head is called exactly as the reference path
 (:func:`fle_engine.speculative.generate_speculative`) calls it. The head's
 cache needs no rollback: its cells are addressed by position and the
@@ -34,10 +41,10 @@ one verify step); ``adaptive`` picks each step's draft count with
 :class:`~fle_engine.speculative.AdaptiveDraft` from measured verify-step
 and drafting times (a rejection costing no settling call here).
 
-Architectures: a head builder per architecture in :data:`HEADS` (qwen3next
-now). Missing: the head in a CUDA graph (it runs eagerly, with host
-synchronisations in its MoE), its experts in the engine's expert cache,
-and qwen4exp (its T-token step).
+Architectures: a head builder per architecture in :data:`HEADS`
+(qwen3next, qwen4exp). Missing: the head in a CUDA graph (it runs eagerly,
+with host synchronisations in its MoE) and its experts in the engine's
+expert cache.
 """
 from __future__ import annotations
 
@@ -95,7 +102,9 @@ class Head(nn.Module):
     def __init__(self, ref: nn.Module, embed: W.DenseMatrix, output: W.DenseMatrix, ops, impl: str):
         super().__init__()
         self.ref = ref
-        ref.block.moe = _GroupedMoE(ref.block.moe)
+        owner = getattr(ref, "block", ref)          # qwen3next's MoE sits in its block, qwen4exp's in the head
+        owner.moe = _GroupedMoE(owner.moe)
+        self._readout = getattr(ref, "readout", None)
         self.embed, self.output_mat, self.ops, self.impl = embed, output, ops, impl
         self.n_vocab = output.n_out
         self._views: dict = {}
@@ -121,8 +130,9 @@ class Head(nn.Module):
         h_out = self.ref.body(embed_rows(self.embed, next_tokens.reshape(-1), self.ops), hidden, cache, positions,
                               rope_cos, rope_sin)
         m = self.output_mat
+        y = h_out[-1:] if self._readout is None else self._readout(h_out[-1:])
         logits = torch.empty(1, m.n_out, dtype=torch.float32, device=h_out.device)
-        m.matvec(h_out[-1:].float().contiguous(), logits, self.impl)
+        m.matvec(y.float().contiguous(), logits, self.impl)
         return (logits, h_out) if return_hidden else logits
 
     def with_vocab(self, vocab) -> "Head":
@@ -149,20 +159,31 @@ def _head_expert_bytes(gguf, il: int) -> int:
                if name.startswith(p) and name.endswith("_exps.weight"))
 
 
+def _open(path, net, device, same: dict):
+    """:func:`~fle_engine.mtp.open_head_file` for the engine net ``net``: the head read on ``device`` in float32."""
+    probe = SimpleNamespace(args=net.args, device=device, tok_embd=SimpleNamespace(dtype=torch.float32),
+                            streamed=False)
+    return open_head_file(path, probe, same)
+
+
+def _stream(gguf, a, device, experts: str) -> bool:
+    """Whether the head's routed experts are streamed from the file (``experts``: auto, resident or stream)."""
+    if experts == "auto":
+        total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+                 else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        experts = "resident" if _head_expert_bytes(gguf, a.n_layer) <= total // RESIDENT_SHARE else "stream"
+    return experts == "stream"
+
+
 def _qwen3next_head(path, net, device, experts: str):
     """The reference qwen3next head of ``path`` on ``device`` in float32,
     with the trunk's tables left out (the engine's are used)."""
     from ..models.qwen3next_mtp import MTPHead, same_hparams
 
     a = net.args
-    probe = SimpleNamespace(args=a, device=device, tok_embd=SimpleNamespace(dtype=torch.float32), streamed=False)
-    gguf, w = open_head_file(path, probe, same_hparams(a))
+    gguf, w = _open(path, net, device, same_hparams(a))
     try:
-        if experts == "auto":
-            total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-                     else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-            experts = "resident" if _head_expert_bytes(gguf, a.n_layer) <= total // RESIDENT_SHARE else "stream"
-        w.stream = experts == "stream"
+        w.stream = _stream(gguf, a, device, experts)
         trunk = SimpleNamespace(tok_embd=None, output=None, output_norm=net.output_norm)
         ref = MTPHead(w, a, trunk)
     finally:
@@ -171,8 +192,27 @@ def _qwen3next_head(path, net, device, experts: str):
     return ref
 
 
+def _qwen4exp_head(path, net, device, experts: str):
+    """The reference qwen4exp head of ``path`` on ``device`` in float32,
+    its embedding and output products left to the engine's matrices."""
+    from ..models.qwen4exp_mtp import MTPHead, head_args, same_hparams
+
+    a = net.args
+    gguf, w = _open(path, net, device, same_hparams(a))
+    try:
+        w.stream = _stream(gguf, a, device, experts)
+        ref = MTPHead(w, head_args(w, a), None, None)
+    finally:
+        gguf.close()
+    ref.eval()
+    return ref
+
+
 # architecture -> builder of the reference head (path, engine net, device, experts) -> module with ``body``
-HEADS = {"qwen3next": _qwen3next_head}
+# (the head between its embedding and output products; with ``readout`` when its output product reads
+# another state than the one ``body`` returns and further drafting steps read), ``embed`` and ``output``
+# (its own tables, or None for the engine's)
+HEADS = {"qwen3next": _qwen3next_head, "qwen4exp": _qwen4exp_head}
 
 
 def load_head(net, path, device, ops, fast: bool, experts: str = "auto") -> Head:
@@ -214,7 +254,7 @@ class Drafter:
         self.state.length = 0
 
     def push(self, hidden: Tensor, tokens: Sequence[int]) -> None:
-        """The trunk's post-norm hidden states [T, D] of T settled positions and their tokens."""
+        """The trunk's hidden rows [T, ...] of T settled positions (what the head reads) and their tokens."""
         tok = torch.as_tensor([int(t) for t in tokens], dtype=torch.long, device=hidden.device)
         if hidden.shape[0] != tok.shape[0]:
             raise FleError(f"internal: {hidden.shape[0]} hidden states for {tok.shape[0]} tokens")
@@ -230,8 +270,8 @@ class Drafter:
 def _hidden(eng, n: int) -> Tensor:
     """The hidden rows that the head reads of the step that just ran (T =
     ``n``), copied: the net's ``mtp_hidden(state, n)`` when it defines one
-    (an architecture whose head reads another state), else the post-norm
-    rows (qwen3next)."""
+    (qwen4exp: the wide residual [T, S, D]), else the post-norm rows
+    (qwen3next)."""
     st = eng.state
     hook = getattr(eng.net, "mtp_hidden", None)
     if hook is not None:
@@ -241,9 +281,9 @@ def _hidden(eng, n: int) -> Tensor:
 
 def _prompt(eng, prompt: list, want_logits: bool) -> tuple[int, Tensor, "np.ndarray | None"]:
     """The prompt from position 0: prefill (when the engine would use it) or
-    decode steps one at a time -> (the greedy next token, the post-norm
-    hidden states [P, D], the last position's logits on the host when
-    ``want_logits``)."""
+    decode steps one at a time -> (the greedy next token, the hidden rows
+    the head reads [P, ...] (:func:`_hidden`), the last position's logits on
+    the host when ``want_logits``)."""
     eng.reset()
     eng.cached_tokens = 0
     first = hidden = None
@@ -252,11 +292,12 @@ def _prompt(eng, prompt: list, want_logits: bool) -> tuple[int, Tensor, "np.ndar
         if first is not None:
             hidden, eng.prefill.hidden = eng.prefill.hidden, None
     if first is None:
-        st = eng.state
-        hidden = torch.empty(len(prompt), eng.args.n_embd, dtype=torch.float32, device=eng.device)
         for i, t in enumerate(prompt):
             eng._launch(t)
-            hidden[i].copy_(_hidden(eng, 1)[0])        # ordered after the step on the device
+            row = _hidden(eng, 1)[0]                   # ordered after the step on the device
+            if hidden is None:
+                hidden = torch.empty(len(prompt), *row.shape, dtype=torch.float32, device=eng.device)
+            hidden[i].copy_(row)
             first = eng._consume()
     logits = eng.state.bufs.logits[0].float().cpu().numpy() if want_logits else None
     return first, hidden, logits

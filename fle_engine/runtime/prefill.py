@@ -44,8 +44,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fle_quant.errors import FleError
-
 from ..kernels import engine_ops
 from .weights import FLOAT_TYPES, _align
 
@@ -261,9 +259,10 @@ class Prefill:
         return t
 
     def run(self, tokens, pos0: int = 0, keep_history: bool = False, keep_hidden: bool = False) -> PrefillStats:
-        """``keep_hidden``: ``self.hidden`` is then the post-norm hidden
-        state of every token [T, D] float32 (what an MTP head reads), else
-        None."""
+        """``keep_hidden``: ``self.hidden`` is then what an MTP head reads
+        of every token, float32: the post-norm hidden state [T, D], or on a
+        net with its own ``prefill_trunk`` what that keeps (qwen4exp: the
+        wide residual [T, S, D]); else None."""
         eng = self.eng
         self.hidden = None
         hidden = []
@@ -335,8 +334,7 @@ class Prefill:
 
         pos = int(pos0)
         trunk = getattr(net, "prefill_trunk", None)          # a net whose residual is not one row per token
-        if keep_hidden and trunk is not None:
-            raise FleError(f"internal: prefill keeps no hidden rows for {a.arch} (no MTP drafting on its engine)")
+        keep = (lambda rows: hidden.append(rows.float().clone())) if keep_hidden else None
         try:
             with torch.inference_mode():
                 for chunk in chunks:
@@ -344,7 +342,7 @@ class Prefill:
                     tok = torch.tensor(chunk, dtype=torch.int64, device=dev)
                     buf = _Buffers(a, T, dev)
                     if trunk is not None:
-                        last = trunk(tok, pos, st, ops, buf, moe)
+                        last = trunk(tok, pos, st, ops, buf, moe, keep=keep)
                     else:
                         x = net.prefill_embed(tok, ops)
                         xn = torch.empty_like(x)
@@ -356,8 +354,8 @@ class Prefill:
                             nxt = net.layers[il + 1].attn_norm if il + 1 < a.n_layer else net.output_norm
                             ops.add_rmsnorm(x, net.prefill_parts(L.moe, buf), nxt, a.eps, xn)
                         last = xn[-1:]
-                        if keep_hidden:
-                            hidden.append(xn.float().clone())
+                        if keep is not None:
+                            keep(xn)
                     pos += T
                     stats.ubatches += 1
                 b = st.bufs

@@ -628,6 +628,12 @@ class Net(qwen3next.Net):
         torch.argmax(m.logits[:n], dim=-1, out=state.next_toks[:n])
         state.pos.add_(n)
 
+    def mtp_hidden(self, state, n: int) -> Tensor:
+        """What the MTP head reads of the step that just ran (T = ``n``):
+        the wide residual after the last layer [T, S, D] (before the output
+        mixer; the reference's ``state.hidden``)."""
+        return state.bufs.res[None] if n == 1 else state.multi.res[:n]
+
     # recurrent state: GDN (qwen3next) and the PLE token and conv histories -----------------
     def restore_multi(self, state, t: int) -> None:
         """GDN states from their snapshots; the PLE histories as they were
@@ -672,11 +678,13 @@ class Net(qwen3next.Net):
         ops.hc_mix(hxn, gate, xn)
         return xn, inj
 
-    def prefill_trunk(self, tok: Tensor, pos0: int, state, ops, buf, moe) -> Tensor:
+    def prefill_trunk(self, tok: Tensor, pos0: int, state, ops, buf, moe, keep=None) -> Tensor:
         """The layers over a micro-batch of T tokens at pos0 .. pos0 + T - 1
         (the decode step's order on T rows: PLE, HC reads and writes, the
         mixer, ``moe(layer, il, xn, buf)`` for the routed and shared
-        experts); returns the head's input of the last token [1, D]."""
+        experts); returns the head's input of the last token [1, D].
+        ``keep``: called with the wide residual after the last layer
+        [T, S, D] (what the MTP head reads, :meth:`mtp_hidden`)."""
         from .prefill import dense_rows
 
         a, dt = self.args, state.prefill_dtype
@@ -703,6 +711,8 @@ class Net(qwen3next.Net):
             moe(L, il, xn, buf)
             nxt = self.layers[il + 1].hc_attn.norm if il + 1 < len(self.layers) else self.output_hc.norm
             ops.hc_write_norm(res, self.prefill_parts(L.moe, buf), inj, s, nxt, a.eps, hxn)
+        if keep is not None:
+            keep(res)
         last, _ = self.prefill_hc_read(self.output_hc, hxn[-1:].contiguous(), state, ops)
         return last
 
