@@ -53,7 +53,11 @@ Signatures (both sides; outputs written in place):
   ``wait_misses(split, il, ids, slot_of, serial, out)``: the CPU's share of
   a layer's misses (:mod:`fle_engine.runtime.split`); the reference computes
   it at once in the post, the fast side hands it to the worker thread
-- ``experts(..., cpu_share=s)`` skips the rows that the CPU computes
+- ``experts(..., cpu_share=s)`` skips the rows that the CPU computes;
+  ``experts(..., x_miss=xq)``: rows of missed experts read ``xq``
+- ``round_acts(x, dot_k, out, ids=None, slot_of=None)``: rows quantized to
+  Q8_K (``dot_k``) or Q8_0 as the CPU kernels quantize their activations,
+  and decoded again (only the rows of missed experts with ``ids``)
 - ``dequant(space, qtype, base, n_rows, row_bytes, out)``: the matrices
   at word offsets ``base`` [G] of a :class:`WordSpace` decoded into ``out``
   [G, n_rows, n_in] (bfloat16 or float32), for prefill's products;
@@ -171,7 +175,7 @@ def kv_nbytes(c) -> int:
 def experts_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
                 n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
                 gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
-                cpu_share: int = 0) -> Tensor:
+                cpu_share: int = 0, x_miss: "Tensor | None" = None) -> Tensor:
     from ..runtime.split import cpu_count
 
     word = store.word
@@ -195,12 +199,34 @@ def experts_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part_words
         src = store.slots[s] if s >= 0 else store.host[e]
         raw = src[start:start + size].reshape(n_rows, row_bytes)
         w = dequantize_weights(raw.cpu(), qtype).to(x.device)
+        xs = x_miss if x_miss is not None and s < 0 else x
         if gate_up:
-            v = x[r // n_used].float() @ w.T
+            v = xs[r // n_used].float() @ w.T
             g, u = v[:n_out], v[n_out:]
             out[r] = F.silu(g) * u
         else:
-            out[r] = (x[r].float() @ w.T) * weights[r]
+            out[r] = (xs[r].float() @ w.T) * weights[r]
+    return out
+
+
+def round_acts_ref(x: Tensor, dot_k: bool, out: Tensor, ids: "Tensor | None" = None,
+                   slot_of: "Tensor | None" = None) -> Tensor:
+    """Rows quantized to Q8_K / Q8_0 by the CPU kernels' own quantizer
+    (:func:`fle_engine.kernels.cpu_experts.acts.quantize_acts`) and decoded
+    again; with ``ids``/``slot_of`` only the rows of missed experts."""
+    from .cpu_experts.acts import quantize_acts
+
+    rows = list(range(x.shape[0]))
+    if ids is not None:
+        rows = [r for r, e in enumerate(ids.view(-1).cpu().tolist()) if int(slot_of[e]) < 0]
+    if not rows:
+        return out
+    xs = x[rows].detach().float().cpu().numpy()
+    a = quantize_acts(xs, GGMLType.Q8_K if dot_k else GGMLType.Q8_0)
+    block = 256 if dot_k else 32
+    d = torch.from_numpy(a.d).repeat_interleave(block, dim=1)
+    vals = d * torch.from_numpy(a.qs.astype(np.float32))
+    out[rows] = vals.to(out.device, out.dtype)
     return out
 
 
@@ -433,7 +459,8 @@ def _fast():
                            hc_write_norm=te.hc_write_norm, hc_mix=te.hc_mix, gather_rows=te.gather_rows,
                            gdn_step=te.gdn_step, post_misses=te.post_misses, wait_misses=te.wait_misses,
                            experts_union=te.experts_union, qk_rope_kv_multi=te.qk_rope_kv_multi,
-                           attention_multi=te.attention_multi, dequant=_dequant_fast, gdn_tokens=te.gdn_tokens)
+                           attention_multi=te.attention_multi, dequant=_dequant_fast, gdn_tokens=te.gdn_tokens,
+                           round_acts=te.round_acts)
 
 
 def _dequant_fast(space: WordSpace, qtype: GGMLType, *args, **kw) -> Tensor:
@@ -447,7 +474,8 @@ REFERENCE = SimpleNamespace(experts=experts_ref, route_topk=route_topk_ref, add_
                             hc_write_norm=hc_write_norm_ref, hc_mix=hc_mix_ref, gather_rows=gather_rows_ref,
                             gdn_step=gdn_step_ref, post_misses=post_misses_ref, wait_misses=wait_misses_ref,
                             experts_union=experts_union_ref, qk_rope_kv_multi=qk_rope_kv_multi_ref,
-                            attention_multi=attention_multi_ref, dequant=dequant_ref, gdn_tokens=gdn_tokens_ref)
+                            attention_multi=attention_multi_ref, dequant=dequant_ref, gdn_tokens=gdn_tokens_ref,
+                            round_acts=round_acts_ref)
 
 # name -> (reference, fast) ; the fast side is filled on first use (it imports triton)
 OPS: dict[str, tuple] = {name: (getattr(REFERENCE, name), None) for name in vars(REFERENCE)}

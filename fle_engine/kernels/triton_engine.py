@@ -54,7 +54,7 @@ from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 from . import triton_quant as _tq
 from .triton_quant import _FORMATS, _decode, _iq4_xs_rows_fast, _iq4_xs_rows_fast_multi, _lut, _value_index
 
-__all__ = ["gdn_tokens", "experts", "experts_union", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv",
+__all__ = ["gdn_tokens", "experts", "round_acts", "experts_union", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv",
            "qk_rope_kv_multi", "attention", "attention_multi", "embed_row", "hc_write_norm", "hc_mix", "gather_rows",
            "gdn_step", "ATTN_SPLITS"]
 
@@ -96,7 +96,7 @@ def _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE: tl.constexpr
 @triton.jit
 def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
                    host_delta, part_words, n_out, n_in, n_blocks, row_words, expert_words, n_used,
-                   stride_x, stride_y, cpu_share,
+                   stride_x, stride_y, cpu_share, x_miss_delta,
                    QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
                    N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr, UNROLL: tl.constexpr,
                    SPLIT: tl.constexpr, KP: tl.constexpr, FAST: tl.constexpr, PAIRED: tl.constexpr):
@@ -131,7 +131,8 @@ def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
             x_row = r // n_used
         else:
             x_row = r
-        x_base = x_ptr + x_row.to(tl.int64) * stride_x
+        # a missed expert reads its activations x_miss_delta elements away (their rounded copy) when one is given
+        x_base = x_ptr + x_row.to(tl.int64) * stride_x + tl.where(s < 0, x_miss_delta, 0)
         if GATE_UP:
             row_u = row_w + n_out.to(tl.int64) * row_words      # the up rows follow the gate rows
             if PAIRED and FAST == 1 and QTYPE == 23 and not UNROLL:
@@ -185,7 +186,7 @@ def _expert_config(gate_up: bool, mode: str) -> tuple[int, int, int]:
 def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
             n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
             gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
-            cpu_share: int = 0) -> Tensor:
+            cpu_share: int = 0, x_miss: "Tensor | None" = None) -> Tensor:
     """One matrix product of the routed experts (see the module docstring).
 
     ``words``: the slot buffer viewed as the format's words; slot ``s`` of
@@ -197,7 +198,10 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
     down rows. ``mode``: the launch configuration, "miss" when rows may be
     read from host memory, "hit" when all are cached. ``cpu_share``
     (0..256): the rows that :mod:`fle_engine.runtime.split` gives the CPU
-    are skipped (their down rows written as zeros)."""
+    are skipped (their down rows written as zeros). ``x_miss`` (like ``x``,
+    optional): the activations that rows of missed experts read instead
+    (:func:`round_acts`' copy, so that the GPU's misses multiply what the
+    CPU kernels would)."""
     fmt = _FORMATS[qtype]
     values, size = BLOCK_GEOMETRY[qtype]
     n_blocks = row_bytes // size
@@ -208,10 +212,90 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
     _expert_kernel[grid](
         words, _lut(qtype, fmt, words), slot_of, ids, out if weights is None else weights, x, out,
         host_delta, part_words, n_out, n_blocks * values, n_blocks, row_bytes // word, expert_words, n_used,
-        x.stride(0), out.stride(0), int(cpu_share),
+        x.stride(0), out.stride(0), int(cpu_share), _delta(x, x_miss),
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
         BLOCK_N=block_n, GATE_UP=gate_up, UNROLL=bool(unroll), SPLIT=cpu_share > 0,
         KP=triton.next_power_of_2(n_used), FAST=_decode_code(mode), PAIRED=PAIRED[mode], num_warps=warps)
+    return out
+
+
+def _delta(x: Tensor, other: "Tensor | None") -> int:
+    """Elements from ``x`` to ``other`` (same dtype and strides), 0 without one."""
+    if other is None:
+        return 0
+    if other.dtype != x.dtype or other.stride() != x.stride() or other.shape != x.shape:
+        raise ValueError("x_miss must have the shape, strides and dtype of x")
+    diff = other.data_ptr() - x.data_ptr()
+    assert diff % x.element_size() == 0
+    return diff // x.element_size()
+
+
+# ---------------------------------------------------------------------------
+# activations rounded as the CPU kernels quantize them (ggml's vec_dot_type)
+
+
+@triton.jit
+def _rint(v):
+    # round half to even for |v| < 2^22 (the codes here are at most ~128): the add rounds at the units place
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _roundf(v):
+    # round half away from zero, in float32 steps (fle_quant.quants.quant_util.np_roundf)
+    a = tl.abs(v)
+    fl = tl.floor(a)
+    b = fl + tl.floor(2.0 * (a - fl))
+    return tl.where(v > 0, b, tl.where(v < 0, -b, 0.0))
+
+
+@triton.jit
+def _round_acts_kernel(x_ptr, y_ptr, ids_ptr, slot_of_ptr, n, stride_x, stride_y, DOT_K: tl.constexpr,
+                       BLOCK: tl.constexpr, ONLY_MISSES: tl.constexpr):
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    if ONLY_MISSES:
+        go = tl.load(slot_of_ptr + tl.load(ids_ptr + r)) < 0
+    else:
+        go = r >= 0
+    if go:
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + r.to(tl.int64) * stride_x + offs)
+        ax = tl.abs(x)
+        amax = tl.max(ax, axis=0)
+        if DOT_K:
+            # Q8_K: the scale -127 / (the value of largest |x|, its first occurrence), codes half to even, <= 127
+            first = tl.min(tl.where(ax == amax, tl.arange(0, BLOCK), BLOCK), axis=0)
+            mx = tl.sum(tl.where(tl.arange(0, BLOCK) == first, x, 0.0), axis=0)
+            safe = tl.where(amax == 0.0, 1.0, mx)
+            iscale = tl.math.div_rn(tl.full([], -127.0, tl.float32), safe)
+            q = tl.minimum(_rint(iscale * x), 127.0)
+            d = tl.math.div_rn(tl.full([], 1.0, tl.float32), iscale)
+            y = tl.where(amax == 0.0, 0.0, d * q)
+        else:
+            # Q8_0: d = amax / 127 stored as fp16, codes x / d rounded half away from zero
+            d = tl.math.div_rn(amax, tl.full([], 127.0, tl.float32))
+            idv = tl.where(d == 0.0, 0.0, tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.where(d == 0.0, 1.0, d)))
+            q = _roundf(x * idv)
+            y = d.to(tl.float16).to(tl.float32) * q
+        tl.store(y_ptr + r.to(tl.int64) * stride_y + offs, y)
+
+
+def round_acts(x: Tensor, dot_k: bool, out: Tensor, ids: "Tensor | None" = None,
+               slot_of: "Tensor | None" = None) -> Tensor:
+    """Rows of ``x`` (float32 [R, n]) quantized to Q8_K (``dot_k``) or Q8_0
+    and decoded again into ``out`` (may be ``x``): the values the CPU expert
+    kernels multiply (:mod:`fle_engine.kernels.cpu_experts.acts`, ggml's
+    quantizers). With ``ids`` [R] and ``slot_of``, only the rows whose
+    expert is missed are written."""
+    block = 256 if dot_k else 32
+    n = x.shape[1]
+    if n % block:
+        raise ValueError(f"rows of {n} values do not split into blocks of {block}")
+    only = ids is not None
+    _round_acts_kernel[(x.shape[0], n // block)](
+        x, out, ids if only else x, slot_of if only else x, n, x.stride(0), out.stride(0), DOT_K=dot_k,
+        BLOCK=block, ONLY_MISSES=only, num_warps=1 if block == 32 else 2, enable_fp_fusion=False)
     return out
 
 

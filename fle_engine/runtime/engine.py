@@ -121,7 +121,7 @@ class Engine:
 
     def __init__(self, path, *, device="cuda", cache_budget="auto", ctx_size: int = 4096,
                  cache_type_k: str = "f16", cache_type_v: str = "f16", impl: str = "auto", miss_split="gpu",
-                 cpu_impl: str = "auto", ubatch: int = 4096, prefill_min: int = PREFILL_MIN,
+                 cpu_impl: str = "auto", miss_activations: str = "float", ubatch: int = 4096, prefill_min: int = PREFILL_MIN,
                  profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
                  progress: bool = True, log=None, mtp=None, mtp_experts: str = "auto"):
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr))
@@ -136,6 +136,8 @@ class Engine:
             if want not in KV_TYPES:
                 raise FleError(f"{name} {want!r}: the engine keeps the KV cache as {', '.join(KV_TYPES)}")
         parse_split(miss_split)
+        if miss_activations not in ("float", "q8"):
+            raise FleError(f"--miss-activations {miss_activations!r}: float or q8")
         self.cpu_impl = cpu_impl
         self.path = Path(path)
         t0 = time.perf_counter()
@@ -181,6 +183,9 @@ class Engine:
         st.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         st.serial = torch.zeros(1, dtype=torch.int64, device=self.device)      # steps run (runtime.split)
         st.split = None
+        # q8: the GPU's misses multiply their activations rounded as the CPU kernels quantize them (ggml's
+        # vec_dot_type), so that a token's numbers do not depend on which side computed a miss
+        st.miss_q8 = miss_activations == "q8"
         self.net.alloc(st)
         self.kv_bytes = sum(engine_ops.kv_nbytes(t) for c in st.kv for t in c)
 

@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fle_quant.ggml_types import GGMLType
+
+from ..kernels.cpu_experts.acts import DOT_TYPE
 from ..models.qwen3moe import ModelArgs
 from . import weights as W
 
@@ -181,6 +184,7 @@ class Net:
         b = state.bufs
         b.x = torch.zeros(1, a.n_embd, **f32)
         b.xn = torch.zeros(1, a.n_embd, **f32)
+        b.xq = torch.zeros(1, a.n_embd, **f32)       # b.xn rounded for the misses (--miss-activations q8)
         b.qkv = torch.zeros(1, (2 * a.n_head + 2 * a.n_head_kv) * hd, **f32)     # room for a gate block
         b.q = torch.zeros(a.n_head * hd, **f32)
         b.o = torch.zeros(1, a.n_head * hd, **f32)
@@ -256,10 +260,17 @@ class Net:
         share = split.share if split is not None and il in split.index else 0
         if share:
             ops.post_misses(split, il, b.xn.view(-1), ids, b.wts.view(-1), smap, state.serial)
+        q8 = getattr(state, "miss_q8", False)
+        xq = b.xq if q8 else None
+        if q8:
+            ops.round_acts(b.xn, DOT_TYPE[lay.gu_type] == GGMLType.Q8_K, b.xq)
         if state.fast:
             words, delta = cache.words(il, lay.gu_type)
             ops.experts(words, lay.gu_type, delta, 0, lay.expert_bytes // words.element_size(), lay.n_ff,
-                        lay.gu_row_bytes, smap, ids, b.xn, b.h, True, k, mode=cache.mode, cpu_share=share)
+                        lay.gu_row_bytes, smap, ids, b.xn, b.h, True, k, mode=cache.mode, cpu_share=share,
+                        x_miss=xq)
+            if q8:
+                ops.round_acts(b.h, DOT_TYPE[lay.down_type] == GGMLType.Q8_K, b.h, ids, smap)
             words, delta = cache.words(il, lay.down_type)
             wsz = words.element_size()
             ops.experts(words, lay.down_type, delta, lay.down_offset // wsz, lay.expert_bytes // wsz, a.n_embd,
@@ -268,7 +279,9 @@ class Net:
         else:
             st = cache.reference_store(il, lay.gu_type)
             ops.experts(st, lay.gu_type, 0, 0, 0, lay.n_ff, lay.gu_row_bytes, smap, ids, b.xn, b.h, True, k,
-                        cpu_share=share)
+                        cpu_share=share, x_miss=xq)
+            if q8:
+                ops.round_acts(b.h, DOT_TYPE[lay.down_type] == GGMLType.Q8_K, b.h, ids, smap)
             st = cache.reference_store(il, lay.down_type)
             ops.experts(st, lay.down_type, 0, lay.down_offset // st.word, 0, a.n_embd, lay.down_row_bytes, smap,
                         ids, b.h, y, False, k, b.wts.view(-1), cpu_share=share)
