@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from fle_engine.kernels import cpu_experts as ce
-from fle_engine.kernels.cpu_experts import fle_numba, ggml_cpu, reference
+from fle_engine.kernels.cpu_experts import fle_numba, ggml_cpu, reference, rows
 from fle_engine.kernels.cpu_experts.acts import DOT_TYPE, pack_q8_k, quantize_acts, unpack_q8_0, unpack_q8_k
 from fle_quant.errors import FleError
 from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
@@ -303,7 +303,8 @@ def test_bad_input():
 
 def test_no_torch():
     # the package's parent (fle_engine) imports torch on purpose; the kernels' own modules must not
-    for mod in ("acts", "reference", "fle_numba", "ggml_cpu", "simd", "plan", "team", "__init__"):
+    for mod in ("acts", "reference", "fle_numba", "ggml_cpu", "simd", "simd512", "rows", "plan", "team",
+                "__init__"):
         src = open(f"{ce.__path__[0]}/{mod}.py").read()
         assert not re.search(r"^\s*(import|from) torch", src, re.M), mod
     out = subprocess.run([sys.executable, "-c", "import sys, fle_quant; print('torch' in sys.modules)"],
@@ -311,36 +312,100 @@ def test_no_torch():
     assert out.stdout.strip() == "False"
 
 
-_PORTABLE_CHECK = """
+_ISA_CHECK = """
+import sys
 import numpy as np
-from fle_engine.kernels.cpu_experts import simd, fle_numba, reference, quantize_acts, DOT_TYPE
+from fle_engine.kernels import cpu_experts as ce
+from fle_engine.kernels.cpu_experts import fle_numba, reference, rows, quantize_acts, DOT_TYPE
 from fle_quant.ggml_types import GGMLType
-from test_cpu_experts import quantized
-assert not simd.AVX2
+from test_cpu_experts import quantized, experts_buffer
+assert rows.ISA == sys.argv[1], rows.ISA
 rng = np.random.default_rng(5)
-for name in ("IQ4_XS", "Q4_K", "Q8_0", "IQ3_S", "Q6_K", "IQ4_NL", "Q5_K"):
-    qt = GGMLType[name]
+for qt in fle_numba.CODES:
     for n, t in ((512, 2), (768, 1)):
-        rows = quantized(qt, (24, n), rng)
+        w = quantized(qt, (24, n), rng)
         acts = quantize_acts(rng.standard_normal((t, n)).astype(np.float32), DOT_TYPE[qt])
-        np.testing.assert_array_equal(fle_numba.matvec(rows, qt, acts), reference.matvec_ref(rows, qt, acts),
-                                      err_msg=f"{name} n={n} T={t}")
+        np.testing.assert_array_equal(fle_numba.matvec(w, qt, acts), reference.matvec_ref(w, qt, acts),
+                                      err_msg=f"{qt.name} n={n} T={t}")
+for gu, dn in ((GGMLType.IQ4_XS, GGMLType.Q4_K), (GGMLType.IQ3_XXS, GGMLType.IQ2_XS), (GGMLType.IQ3_S, GGMLType.Q6_K)):
+    lay = ce.Geometry.of(256, 512, gu, dn)
+    buf = experts_buffer(lay, 3, rng)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    ids, w = np.array([[0, 2], [2, 1]]), rng.random((2, 2)).astype(np.float32)
+    np.testing.assert_array_equal(ce.expert_forward(buf, lay, x, ids, w, impl="numba"),
+                                  ce.expert_forward(buf, lay, x, ids, w, impl="reference"), err_msg=f"{gu.name}/{dn.name}")
 print("ok")
 """
 
 
-@pytest.mark.skipif(not __import__("fle_engine.kernels.cpu_experts.simd", fromlist=["AVX2"]).AVX2,
-                    reason="this CPU runs the portable path in every test already")
-def test_portable_path_equals_reference(tmp_path):
-    """The portable LLVM vector IR (FLE_CPU_PORTABLE=1: what CPUs without
-    AVX2 run) is bit-identical to the reference too; its own numba cache so
-    that the AVX2 build is not reused."""
+def _run_isa(isa, **env_extra):
+    """_ISA_CHECK in a process of its own that forces ``isa``, on the same
+    numba cache as this process (the ISA is in the kernels' cache keys)."""
     import os
     from pathlib import Path
 
-    env = dict(os.environ, FLE_CPU_PORTABLE="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"),
+    env = dict(os.environ, **env_extra,
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1]),
                                            os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", _ISA_CHECK, isa], capture_output=True, text=True, env=env,
                          timeout=900)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.skipif(rows.ISA == "portable", reason="this CPU runs the portable path in every test already")
+def test_portable_path_equals_reference():
+    """The portable LLVM vector IR (FLE_CPU_PORTABLE=1: what CPUs without
+    AVX2 run) is bit-identical to the reference too, every type."""
+    _run_isa("portable", FLE_CPU_PORTABLE="1")
+
+
+@pytest.mark.skipif(rows.ISA != "avx512", reason="this CPU runs the AVX2 (or portable) path in every test already")
+def test_avx2_path_equals_reference():
+    """On an AVX-512 host, the AVX2 kernels (FLE_CPU_ISA=avx2: what CPUs
+    without AVX-512 run) are bit-identical to the reference too."""
+    _run_isa("avx2", FLE_CPU_ISA="avx2")
+
+
+def test_isa_follows_the_host():
+    from llvmlite import binding
+
+    from fle_engine.kernels.cpu_experts import simd, simd512
+
+    feats = binding.get_host_cpu_features()
+    want = all(feats.get(f, False) for f in ("avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx512vbmi", "gfni",
+                                             "avx512bitalg"))
+    cap = simd.isa_cap()
+    assert simd512.AVX512 == (want and cap == "avx512")
+    assert rows.ISA == ("avx512" if simd512.AVX512 else "avx2" if simd.AVX2 else "portable")
+
+
+def test_isa_is_in_the_cache_key():
+    """The AVX2 and portable row kernels of one type are closures over the
+    ISA, which numba's cache hashes into their index keys; the AVX-512 ones
+    are functions of their own."""
+    from numba.core.caching import FunctionCache
+    from numba.core.registry import cpu_target
+
+    codegen = cpu_target.target_context.codegen()
+    for code in range(11):
+        keys = {FunctionCache(rows._generic(i, code))._index_key(rows.SIG.args, codegen) for i in (0, 1)}
+        assert len(keys) == 2
+    assert len({f.__qualname__ for f in rows._PY512.values()}) == len(rows._PY512)
+
+
+def test_layouts():
+    from fle_engine.kernels.cpu_experts import simd512
+
+    for row in simd512.PERM:
+        assert sorted(row) == list(range(256))
+    kernels = {GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ2_XS, GGMLType.IQ4_XS, GGMLType.Q4_K}
+    assert {t for t, c in fle_numba.CODES.items() if simd512.LAYOUTS[c] >= 0} == kernels
+    assert {t for t, c in fle_numba.CODES.items() if c in rows._PY512} == kernels
+    rng = np.random.default_rng(9)
+    for t in kernels:
+        q = rng.integers(-127, 128, 768, dtype=np.int8)
+        got = q.copy()
+        kind = rows.layout(fle_numba.CODES[t])
+        rows.arrange(kind, got)
+        want = q.reshape(3, 256)[:, simd512.PERM[kind]].reshape(-1) if kind > 0 else q
+        np.testing.assert_array_equal(got, want, err_msg=t.name)

@@ -36,8 +36,9 @@ from .simd import (AVX2, blk_q4_k, blk_q5_k, dot8_scaled, dot32_s8, dot_halves, 
 from .simd import borrow
 from .simd import f16_at as fp16_at
 from .plan import plan, silu_mul_row, weighted_sum
+from .rows import arrange, call_rows, layout, rows_address
 
-__all__ = ["CODES", "forward", "matvec", "row", "scratch", "dot_k", "BLOCK_BYTES"]
+__all__ = ["CODES", "forward", "matvec", "row_at", "scratch_of", "dot_k", "BLOCK_BYTES"]
 
 _F32 = np.float32
 
@@ -396,18 +397,7 @@ def _row_at(code, w, base, nb, xq, xd, xs, arow, nt, acc, w64, w8, sc, mn):
 
 
 @njit(cache=True, inline="always")
-def _row(code, w, nb, xq, xd, xs, arow, nt, acc, w64, sc, mn):
-    """acc[k] = the row ``w`` (uint8, nb blocks) times activation row arow[k]."""
-    _row_at(code, w, 0, nb, xq, xd, xs, arow, nt, acc, w64, w64.view(np.int8), sc, mn)
-
-
-@njit(cache=True, inline="always")
-def _scratch():
-    return np.empty(32, np.uint64), np.empty(16, np.int32), np.empty(8, np.int32)
-
-
-@njit(cache=True, inline="always")
-def _scratch_of(nt):
+def scratch_of(nt):
     """One work item's scratch in one allocation: the decoded block (as
     uint64 and as int8), scales, mins, nt accumulators and nt row indices."""
     raw = np.empty(352 + 12 * max(nt, 1), np.uint8)
@@ -416,29 +406,7 @@ def _scratch_of(nt):
             raw[352 + 8 * nt:352 + 12 * nt].view(np.float32), raw[352:352 + 8 * nt].view(np.int64))
 
 
-@njit(cache=True, parallel=True)
-def _matvec(code, rows, nb, xq, xd, xs, out):
-    n_rows = rows.shape[0]
-    rb = rows.shape[1]
-    flat = rows.reshape(rows.size)
-    nt = xq.shape[0]
-    arow = np.arange(nt)
-    chunk = 16      # rows per work item
-    for c in prange((n_rows + chunk - 1) // chunk):
-        w64, w8, sc, mn, acc, _ = _scratch_of(nt)
-        # borrowed views (.simd.borrow): the scratch stays alive through acc, used in the loop; rows, xq, xd,
-        # xs and arow are arguments of this parallel body
-        bf, bq, bd, bs, ba = borrow(flat), borrow(xq), borrow(xd), borrow(xs), borrow(arow)
-        b64, b8, bsc, bmn, bacc = borrow(w64), borrow(w8), borrow(sc), borrow(mn), borrow(acc)
-        for r in range(c * chunk, min(n_rows, (c + 1) * chunk)):
-            _row_at(code, bf, r * rb, nb, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
-            for k in range(nt):
-                out[k, r] = acc[k]
-
-
-# one row and its scratch, for kernels that drive the rows themselves (.team)
-row = _row
-scratch = _scratch
+row_at = _row_at      # inlined into the row kernels of .rows
 BLOCK_BYTES = _BLOCK_BYTES
 
 
@@ -448,61 +416,89 @@ def dot_k(code):
     return not (code == _Q8_0 or code == _IQ4_NL or code == _Q2_0)
 
 
+@njit(cache=True, inline="always")
+def _rows(fn, w, stride, r0, r1, nb, xq, xd, xs, arow, aoff, orow, ooff, nt, out):
+    """Row kernel ``fn`` (.rows) on rows r0..r1 at address w: activation rows
+    arow[aoff:aoff + nt] of (xq, xd, xs), output rows orow[ooff:...] of out."""
+    call_rows(fn, w, stride, r0, r1, nb, np.int64(xq.ctypes.data), np.int64(xd.ctypes.data),
+              np.int64(xs.ctypes.data), xq.shape[0], xq.shape[1], xd.shape[1], xs.shape[1],
+              np.int64(arow.ctypes.data) + 8 * aoff, np.int64(orow.ctypes.data) + 8 * ooff, nt,
+              np.int64(out.ctypes.data), out.shape[1])
+
+
+@njit(cache=True, parallel=True)
+def _matvec(fn, rows, nb, xq, xd, xs, out):
+    n_rows = rows.shape[0]
+    rb = rows.shape[1]
+    nt = xq.shape[0]
+    arow = np.arange(nt)
+    w = np.int64(rows.ctypes.data)
+    chunk = 16      # rows per work item
+    for c in prange((n_rows + chunk - 1) // chunk):
+        _rows(fn, w, rb, c * chunk, min(n_rows, (c + 1) * chunk), nb, xq, xd, xs, arow, 0, arow, 0, nt, out)
+
+
 def matvec(rows: np.ndarray, qtype: GGMLType, acts) -> np.ndarray:
     """Same contract as :func:`.reference.matvec_ref`."""
     code = CODES[qtype]
     xq = acts.qs
+    kind = layout(code)
+    if kind > 0:
+        xq = xq.copy()
+        for r in range(xq.shape[0]):
+            arrange(kind, xq[r])
     out = np.empty((acts.qs.shape[0], rows.shape[0]), np.float32)
     nb = rows.shape[1] // _BLOCK_BYTES[code]
-    _matvec(code, np.ascontiguousarray(rows), nb, xq, acts.d, acts.sums, out)
+    rows = np.ascontiguousarray(rows)
+    if rows.shape[0] and xq.shape[0]:
+        _matvec(rows_address(code), rows, nb, np.ascontiguousarray(xq), acts.d, acts.sums, out)
     return out
 
 
-@njit(cache=True, parallel=True)
 def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, ids, wts, out, chunk):
     """The fused expert FFN (see the module docstring); arguments as
     :func:`fle_engine.kernels.cpu_experts.expert_forward` unpacks them."""
+    _forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, ids, wts, out, chunk,
+             rows_address(gu_code), rows_address(down_code), layout(gu_code), layout(down_code))
+
+
+@njit(cache=True, parallel=True)
+def _forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, ids, wts, out, chunk, gu_fn, d_fn,
+             gu_kind, d_kind):
     n_t = x.shape[0]
     pid, ptok, uexp, ustart, upairs = plan(ids)
     n_p = ptok.shape[0]
     n_u = uexp.shape[0]
     # activations, once
-    gu_k = not (gu_code == _Q8_0 or gu_code == _IQ4_NL or gu_code == _Q2_0)
+    gu_k = dot_k(gu_code)
     xd = np.empty((n_t, n_embd // (256 if gu_k else 32)), np.float32)
     xq = np.empty((n_t, n_embd), np.int8)
     xs = np.empty((n_t, n_embd // 32), np.int32)
     tmp = np.empty(34, np.uint8)
     for t in range(n_t):
         quantize_row(x[t], gu_k, xd[t], xq[t], xs[t], tmp)
+        arrange(gu_kind, xq[t])
+    utok = np.empty(n_p, np.int64)      # the token of each pair, in the experts' order
+    for i in range(n_p):
+        utok[i] = ptok[upairs[i]]
     # gate and up rows of each distinct expert, for all its tokens
     g = np.empty((n_p, n_ff), np.float32)
     up = np.empty((n_p, n_ff), np.float32)
     nbg = gu_rb // _BLOCK_BYTES[gu_code]
     nch = (n_ff + chunk - 1) // chunk
-    flat = buf.reshape(buf.size)      # rows addressed by byte offset: no view per row
+    base = np.int64(buf.ctypes.data)
     eb = buf.shape[1]
     for it in prange(n_u * nch):
         ui = it // nch
         c = it - ui * nch
-        e = uexp[ui]
+        w = base + uexp[ui] * eb
         p0 = ustart[ui]
         nt = ustart[ui + 1] - p0
-        w64, w8, sc, mn, acc, arow = _scratch_of(nt)
-        for k in range(nt):
-            arow[k] = ptok[upairs[p0 + k]]
-        # borrowed views (.simd.borrow): the scratch stays alive through acc, used in the loop; the others are
-        # arguments of this parallel body
-        bf, bq, bd, bs, ba = borrow(flat), borrow(xq), borrow(xd), borrow(xs), borrow(arow)
-        b64, b8, bsc, bmn, bacc = borrow(w64), borrow(w8), borrow(sc), borrow(mn), borrow(acc)
-        for r in range(c * chunk, min(n_ff, (c + 1) * chunk)):
-            _row_at(gu_code, bf, e * eb + r * gu_rb, nbg, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
-            for k in range(nt):
-                g[upairs[p0 + k], r] = acc[k]
-            _row_at(gu_code, bf, e * eb + (n_ff + r) * gu_rb, nbg, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
-            for k in range(nt):
-                up[upairs[p0 + k], r] = acc[k]
+        r0, r1 = c * chunk, min(n_ff, (c + 1) * chunk)
+        _rows(gu_fn, w, gu_rb, r0, r1, nbg, xq, xd, xs, utok, p0, upairs, p0, nt, g)
+        _rows(gu_fn, w + n_ff * gu_rb, gu_rb, r0, r1, nbg, xq, xd, xs, utok, p0, upairs, p0, nt, up)
     # silu(gate) * up, quantized once per pair
-    down_k = not (down_code == _Q8_0 or down_code == _IQ4_NL or down_code == _Q2_0)
+    down_k = dot_k(down_code)
     hd = np.empty((n_p, n_ff // (256 if down_k else 32)), np.float32)
     hq = np.empty((n_p, n_ff), np.int8)
     hs = np.empty((n_p, n_ff // 32), np.int32)
@@ -510,6 +506,7 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
         h = np.empty(n_ff, np.float32)
         silu_mul_row(g[p], up[p], h)
         quantize_row(h, down_k, hd[p], hq[p], hs[p], np.empty(34, np.uint8))
+        arrange(d_kind, hq[p])
     # down rows
     y = np.empty((n_p, n_embd), np.float32)
     nbd = down_rb // _BLOCK_BYTES[down_code]
@@ -517,17 +514,9 @@ def forward(buf, gu_code, gu_rb, n_ff, down_code, down_off, down_rb, n_embd, x, 
     for it in prange(n_u * nch):
         ui = it // nch
         c = it - ui * nch
-        e = uexp[ui]
         p0 = ustart[ui]
         nt = ustart[ui + 1] - p0
-        w64, w8, sc, mn, acc, arow = _scratch_of(nt)
-        for k in range(nt):
-            arow[k] = upairs[p0 + k]
-        bf, bq, bd, bs, ba = borrow(flat), borrow(hq), borrow(hd), borrow(hs), borrow(arow)
-        b64, b8, bsc, bmn, bacc = borrow(w64), borrow(w8), borrow(sc), borrow(mn), borrow(acc)
-        for r in range(c * chunk, min(n_embd, (c + 1) * chunk)):
-            _row_at(down_code, bf, e * eb + down_off + r * down_rb, nbd, bq, bd, bs, ba, nt, bacc, b64, b8, bsc, bmn)
-            for k in range(nt):
-                y[arow[k], r] = acc[k]
+        _rows(d_fn, base + uexp[ui] * eb + down_off, down_rb, c * chunk, min(n_embd, (c + 1) * chunk), nbd, hq, hd,
+              hs, upairs, p0, upairs, p0, nt, y)
     for t in range(n_t):
         weighted_sum(pid, wts, y, out, t)

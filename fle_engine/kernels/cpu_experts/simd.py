@@ -78,21 +78,6 @@ dot32_lo4 = _make(32, "lo4")
 dot32_hi4 = _make(32, "hi4")
 
 
-def _host_has_ssse3() -> bool:
-    import platform
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        from llvmlite import binding
-        return bool(binding.get_host_cpu_features().get("ssse3", False))
-    except Exception:  # noqa: BLE001 - feature query unavailable: take the portable path
-        return False
-
-
-_PSHUFB = _host_has_ssse3()
-
-
 def _lut16(builder, idx, table):
     """Lanes of ``idx`` (<16 x i8>, values 0..15) looked up in ``table`` (16
     ints): pshufb on x86, else a tree of selects on the index bits."""
@@ -146,11 +131,30 @@ def dot_iq4(typingctx, w, wo, x, xo):
 # AVX2: pmaddubsw / pmaddwd (module docstring)
 
 
-def _host_feature(name: str) -> bool:
+def isa_cap() -> str:
+    """The widest instruction set the kernels may use, from the environment:
+    ``FLE_CPU_ISA`` = ``avx512`` (the default: whatever the host has),
+    ``avx2`` (no AVX-512 kernels) or ``portable`` (no x86 intrinsics);
+    ``FLE_CPU_PORTABLE=1`` is ``portable``. Read once, at import."""
     import os
+
+    if os.environ.get("FLE_CPU_PORTABLE"):
+        return "portable"
+    cap = os.environ.get("FLE_CPU_ISA", "avx512").strip().lower() or "avx512"
+    if cap not in ("avx512", "avx2", "portable"):
+        raise ValueError(f"FLE_CPU_ISA must be avx512, avx2 or portable, not {cap!r}")
+    return cap
+
+
+def _host_feature(name: str) -> bool:
+    """The host CPU has feature ``name`` (llvmlite's names) and isa_cap()
+    allows its use."""
     import platform
 
-    if os.environ.get("FLE_CPU_PORTABLE"):          # the portable IR on any CPU (tests of both paths)
+    cap = isa_cap()
+    if cap == "portable":
+        return False
+    if cap == "avx2" and (name.startswith("avx512") or name in ("gfni", "vpclmulqdq", "vaes")):
         return False
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
@@ -162,6 +166,7 @@ def _host_feature(name: str) -> bool:
 
 
 AVX2 = _host_feature("avx2")
+_PSHUFB = _host_feature("ssse3")     # read by _lut16 when it compiles
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 

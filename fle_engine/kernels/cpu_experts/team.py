@@ -32,7 +32,8 @@ the engine, a test's thread in the tests):
   looks after 50 ms without work, so an idle engine does not hold the cores.
 
 Two kernels: ggml's ``vec_dot`` / ``from_float`` by address (as
-:mod:`.ggml_cpu`) or FLE's numba rows (:mod:`.fle_numba`). This module does
+:mod:`.ggml_cpu`) or FLE's row kernels by address (:mod:`.rows`, the ones
+:func:`.fle_numba.forward` runs), so the members' loop holds no type's code. This module does
 not import torch.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ from . import fle_numba
 from .acts import quantize_row
 from .ggml_cpu import _call_from_float, _call_vec_dot
 from .plan import silu_mul_row
+from .rows import arrange, call_rows, layout, rows_address
 
 __all__ = ["Team", "measure", "load_acquire", "store_release", "fetch_add"]
 
@@ -62,8 +64,8 @@ _S_GEN, _S_MID, _S_END = 0, 8, 16
 _T_BUSY_NS, _T_EXPERTS, _T_JOBS = 0, 1, 2
 # per-layer parameters
 (_P_OFF, _P_EB, _P_GU_RB, _P_NFF, _P_DOFF, _P_D_RB, _P_NEMBD, _P_GU_VD, _P_GU_FF, _P_GU_QB, _P_D_VD, _P_D_FF,
- _P_D_QB, _P_GU_CODE, _P_D_CODE) = range(15)
-_NP = 16
+ _P_D_QB, _P_GU_CODE, _P_D_CODE, _P_GU_ROWS, _P_D_ROWS, _P_GU_LAY, _P_D_LAY) = range(19)
+_NP = 20
 KIND_GGML, KIND_NUMBA = 0, 1
 
 _IDLE_NS = 50_000_000
@@ -176,9 +178,18 @@ def _wait_at_least(words, i, target, shift, stop, clk, nap, ts):
 # one job
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _rows(fn, w, stride, r0, r1, nb, xq, xd, xs, arow, orow, out):
+    """Row kernel ``fn`` (.rows) on rows r0..r1 at address w: activation row
+    arow[0] of (xq, xd, xs) into out[orow[0], r0:r1]."""
+    call_rows(fn, w, stride, r0, r1, nb, np.int64(xq.ctypes.data), np.int64(xd.ctypes.data),
+              np.int64(xs.ctypes.data), xq.shape[0], xq.shape[1], xd.shape[1], xs.shape[1],
+              np.int64(arow.ctypes.data), np.int64(orow.ctypes.data), 1, np.int64(out.ctypes.data), out.shape[1])
+
+
 @njit(nogil=True, cache=True)
 def _job(tid, nthr, kind, p, buf, li, n_cpu, box, K, res, sync, gen, g, u, sel, xq, xq8, xd, xs, hq, hq8, hd, hs,
-         acc, w64, sc, mn, arow, tmp, h):
+         acc, arow, sel2, dn, tmp, h):
     """One member's part of layer ``li``'s job (module docstring); ``p``:
     the layer's parameters."""
     base_off, eb, gu_rb, n_ff = p[_P_OFF], p[_P_EB], p[_P_GU_RB], p[_P_NFF]
@@ -203,27 +214,32 @@ def _job(tid, nthr, kind, p, buf, li, n_cpu, box, K, res, sync, gen, g, u, sel, 
         _call_from_float(p[_P_GU_FF], np.int64(x.ctypes.data), np.int64(xq.ctypes.data), n_embd)
     else:
         quantize_row(x, fle_numba.dot_k(gu_code), xd[0], xq8[0, :n_embd], xs[0], tmp)
+        arrange(p[_P_GU_LAY], xq8[0, :n_embd])
     # gate and up rows: this member's contiguous share of the n_cpu * n_ff
     rows = n_cpu * n_ff
     r0 = tid * rows // nthr
     r1 = (tid + 1) * rows // nthr
     nbg = gu_rb // fle_numba.BLOCK_BYTES[gu_code]
-    for q in range(r0, r1):
-        pp = q // n_ff
-        r = q - pp * n_ff
-        e = np.int64(box[sel[pp]])
-        wg = e * eb + r * gu_rb
-        wu = e * eb + (n_ff + r) * gu_rb
-        if kind == KIND_GGML:
+    if kind == KIND_GGML:
+        for q in range(r0, r1):
+            pp = q // n_ff
+            r = q - pp * n_ff
+            e = np.int64(box[sel[pp]])
+            wg = e * eb + r * gu_rb
+            wu = e * eb + (n_ff + r) * gu_rb
             _call_vec_dot(p[_P_GU_VD], n_embd, np.int64(g[pp, r:].ctypes.data), addr + wg, np.int64(xq.ctypes.data))
             _call_vec_dot(p[_P_GU_VD], n_embd, np.int64(u[pp, r:].ctypes.data), addr + wu, np.int64(xq.ctypes.data))
-        else:
-            o = base_off + wg
-            fle_numba.row(gu_code, buf[o:o + gu_rb], nbg, xq8, xd, xs, arow, 1, acc, w64, sc, mn)
-            g[pp, r] = acc[0]
-            o = base_off + wu
-            fle_numba.row(gu_code, buf[o:o + gu_rb], nbg, xq8, xd, xs, arow, 1, acc, w64, sc, mn)
-            u[pp, r] = acc[0]
+    else:
+        # the row kernel (.rows) on each expert's part of the share: output row pp of g and u
+        for pp in range(r0 // n_ff, min(n_cpu, (r1 + n_ff - 1) // n_ff)):
+            a = max(r0 - pp * n_ff, 0)
+            b = min(r1 - pp * n_ff, n_ff)
+            if a >= b:
+                continue
+            w = addr + np.int64(box[sel[pp]]) * eb
+            sel2[0] = pp
+            _rows(p[_P_GU_ROWS], w, gu_rb, a, b, nbg, xq8, xd, xs, arow, sel2, g)
+            _rows(p[_P_GU_ROWS], w + n_ff * gu_rb, gu_rb, a, b, nbg, xq8, xd, xs, arow, sel2, u)
     # every member's gate and up rows are in
     fetch_add(sync, _S_MID, np.int64(1))
     while load_acquire(sync, _S_MID) < gen * nthr:
@@ -235,23 +251,28 @@ def _job(tid, nthr, kind, p, buf, li, n_cpu, box, K, res, sync, gen, g, u, sel, 
             _call_from_float(p[_P_D_FF], np.int64(h.ctypes.data), np.int64(hq[pp].ctypes.data), n_ff)
         else:
             quantize_row(h[:n_ff], fle_numba.dot_k(d_code), hd[pp], hq8[pp, :n_ff], hs[pp], tmp)
+            arrange(p[_P_D_LAY], hq8[pp, :n_ff])
     # output rows: this member's share, each the sum over the experts in routing order from zero
     r0 = tid * n_embd // nthr
     r1 = (tid + 1) * n_embd // nthr
     nbd = d_rb // fle_numba.BLOCK_BYTES[d_code]
+    if kind != KIND_GGML and r1 > r0:
+        # each expert's rows of the share into dn[pp] (the row kernel, activation row pp), then the sums
+        for pp in range(n_cpu):
+            sel2[0] = pp
+            _rows(p[_P_D_ROWS], addr + np.int64(box[sel[pp]]) * eb + d_off, d_rb, r0, r1, nbd, hq8, hd, hs, sel2,
+                  sel2, dn)
     for r in range(r0, r1):
         tot = np.float32(0.0)
         for pp in range(n_cpu):
-            e = np.int64(box[sel[pp]])
-            wo = e * eb + d_off + r * d_rb
             if kind == KIND_GGML:
+                e = np.int64(box[sel[pp]])
+                wo = e * eb + d_off + r * d_rb
                 _call_vec_dot(p[_P_D_VD], n_ff, np.int64(acc.ctypes.data), addr + wo, np.int64(hq[pp].ctypes.data))
+                v = acc[0]
             else:
-                o = base_off + wo
-                arow[0] = pp
-                fle_numba.row(d_code, buf[o:o + d_rb], nbd, hq8, hd, hs, arow, 1, acc, w64, sc, mn)
-                arow[0] = 0
-            tot = tot + box[K + sel[pp]] * acc[0]
+                v = dn[pp, r]
+            tot = tot + box[K + sel[pp]] * v
         res[li, r] = tot
 
 
@@ -273,8 +294,9 @@ def _member(tid, nthr, kind, P, buf, flags, done, boxes, res, stop, job, sync, s
     hd = np.zeros((K, max_ff // 32 + 1), np.float32)
     hs = np.zeros((K, max_ff // 32 + 1), np.int32)
     acc = np.zeros(1, np.float32)
-    w64, sc, mn = fle_numba.scratch()
-    arow = np.zeros(1, np.int64)
+    arow = np.zeros(1, np.int64)       # activation row 0 (x)
+    sel2 = np.zeros(1, np.int64)       # an expert's row of g, u, dn and of its activations
+    dn = np.zeros((K, max_embd), np.float32)
     tmp = np.zeros(34, np.uint8)
     h = np.zeros(max_ff, np.float32)
     gen = np.int64(0)
@@ -288,7 +310,7 @@ def _member(tid, nthr, kind, P, buf, flags, done, boxes, res, stop, job, sync, s
             if li < 0:
                 return
             _job(tid, nthr, kind, P[li], buf, li, job[_J_NCPU], boxes[li], K, res, sync, gen, g, u, sel, xq, xq8, xd,
-                 xs, hq, hq8, hd, hs, acc, w64, sc, mn, arow, tmp, h)
+                 xs, hq, hq8, hd, hs, acc, arow, sel2, dn, tmp, h)
             fetch_add(sync, _S_END, np.int64(1))
     expect = np.int64(1)
     while True:
@@ -311,7 +333,7 @@ def _member(tid, nthr, kind, P, buf, flags, done, boxes, res, stop, job, sync, s
             gen += 1
             store_release(sync, _S_GEN, gen)
             _job(0, nthr, kind, P[li], buf, li, n_cpu, boxes[li], K, res, sync, gen, g, u, sel, xq, xq8, xd, xs, hq,
-                 hq8, hd, hs, acc, w64, sc, mn, arow, tmp, h)
+                 hq8, hd, hs, acc, arow, sel2, dn, tmp, h)
             fetch_add(sync, _S_END, np.int64(1))
             while load_acquire(sync, _S_END) < gen * nthr:
                 pass
@@ -349,6 +371,10 @@ class Team:
             P[i, _P_OFF], P[i, _P_EB], P[i, _P_GU_RB], P[i, _P_NFF] = off, lay.expert_bytes, lay.gu_row_bytes, lay.n_ff
             P[i, _P_DOFF], P[i, _P_D_RB], P[i, _P_NEMBD] = lay.down_offset, lay.down_row_bytes, lay.n_embd
             P[i, _P_GU_CODE], P[i, _P_D_CODE] = fle_numba.CODES[lay.gu_type], fle_numba.CODES[lay.down_type]
+            if self.kind == KIND_NUMBA:
+                gc, dc = int(P[i, _P_GU_CODE]), int(P[i, _P_D_CODE])
+                P[i, _P_GU_ROWS], P[i, _P_D_ROWS] = rows_address(gc), rows_address(dc)
+                P[i, _P_GU_LAY], P[i, _P_D_LAY] = layout(gc), layout(dc)
             if self.kind == KIND_GGML:
                 from .ggml_cpu import traits
 
