@@ -24,7 +24,8 @@ numba's thread pool (started once, reused by every call).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from fle_quant.ggml_types import GGMLType
 from fle_quant.quants.blocks_common import u16, u32
@@ -175,27 +176,46 @@ def _dec_q6_k(b, o, w8, sc16):
             sc16[4 * h + k + 8] = np.int32(np.int8(b[o + 192 + 8 * h + 2 * k + 1]))
 
 
-@njit(cache=True, inline="always")
 def _decode_block(code, w, o, w64, w8, sc, mn):
     """A 256-value block at w[o:] into the int8 lanes (w64 / w8) and its
     scales (sc) and mins (mn); IQ4_XS and Q4_K: the scales only (their
-    nibbles are multiplied in place)."""
-    if code == _IQ2_XS:
-        _dec_iq2_xs(w, o, w64, sc)
-    elif code == _IQ2_S:
-        _dec_iq2_s(w, o, w64, sc)
-    elif code == _IQ3_XXS:
-        _dec_iq3_xxs(w, o, w64, sc)
-    elif code == _IQ3_S:
-        _dec_iq3_s(w, o, w64, sc)
-    elif code == _IQ4_XS:
-        _scales_iq4_xs(w, o, sc)
-    elif code == _Q4_K:
-        _scales_q4_k(w, o, sc, mn)
-    elif code == _Q5_K:
-        _dec_q5_k(w, o, w8, sc, mn)
+    nibbles are multiplied in place). ``code`` a constant: only its type's
+    decoder is compiled in."""
+
+
+def _decoder(c):
+    if c == _IQ2_XS:
+        def dec(code, w, o, w64, w8, sc, mn):
+            _dec_iq2_xs(w, o, w64, sc)
+    elif c == _IQ2_S:
+        def dec(code, w, o, w64, w8, sc, mn):
+            _dec_iq2_s(w, o, w64, sc)
+    elif c == _IQ3_XXS:
+        def dec(code, w, o, w64, w8, sc, mn):
+            _dec_iq3_xxs(w, o, w64, sc)
+    elif c == _IQ3_S:
+        def dec(code, w, o, w64, w8, sc, mn):
+            _dec_iq3_s(w, o, w64, sc)
+    elif c == _IQ4_XS:
+        def dec(code, w, o, w64, w8, sc, mn):
+            _scales_iq4_xs(w, o, sc)
+    elif c == _Q4_K:
+        def dec(code, w, o, w64, w8, sc, mn):
+            _scales_q4_k(w, o, sc, mn)
+    elif c == _Q5_K:
+        def dec(code, w, o, w64, w8, sc, mn):
+            _dec_q5_k(w, o, w8, sc, mn)
     else:
-        _dec_q6_k(w, o, w8, sc)
+        def dec(code, w, o, w64, w8, sc, mn):
+            _dec_q6_k(w, o, w8, sc)
+    return dec
+
+
+@overload(_decode_block, inline="always")
+def _ov_decode_block(code, w, o, w64, w8, sc, mn):
+    if isinstance(code, types.IntegerLiteral):
+        return _decoder(code.literal_value)
+    return None
 
 
 @njit(cache=True)
@@ -228,172 +248,189 @@ def _blocks_iq2_xs(w, base, nb, xq, xd, r):
     return a
 
 
-@njit(cache=True, inline="always")
-def _row_at(code, w, base, nb, xq, xd, xs, arow, nt, acc, w64, w8, sc, mn):
-    """acc[k] = the row at byte ``base`` of ``w`` (uint8, nb blocks) times
-    activation row arow[k]. The activations are indexed in place (xq, xd, xs
-    2-D, offsets into their data) and ``w8`` is w64's bytes: no array view is
-    made per row, so no reference count is touched in the loop over rows."""
-    frac = _FRACTION[code]
-    nx = xq.shape[1]
-    if AVX2 and (code == _Q8_0 or code == _Q4_K or code == _Q5_K or code == _Q6_K):
-        # blocks read in vector registers, no scratch: token by token (the row stays in L1), each block's
-        # float step in the reference's order onto a register accumulator
-        for k in range(nt):
-            r = arow[k]
-            xo = r * nx
-            a = _F32(0.0)
-            if code == _Q8_0:
-                bi = 0
-                while bi + 8 <= nb:
-                    a = q8_0_x8(w, base + 34 * bi, xq, xo + 32 * bi, xd, r * xd.shape[1] + bi, a)
-                    bi += 8
-                for b in range(bi, nb):
-                    o = base + 34 * b
-                    a = a + (fp16_at(w, o) * xd[r, b]) * _F32(dot32_s8(w, o + 2, xq, xo + 32 * b))
-            elif code == _Q4_K:
-                for bi in range(nb):
-                    a = a + blk_q4_k(w, base + 144 * bi, xq, xo + 256 * bi, xs, r * xs.shape[1] + 8 * bi, xd[r, bi])
-            elif code == _Q5_K:
-                for bi in range(nb):
-                    a = a + blk_q5_k(w, base + 176 * bi, xq, xo + 256 * bi, xs, r * xs.shape[1] + 8 * bi, xd[r, bi])
-            else:
-                for bi in range(nb):
-                    o = base + 210 * bi
-                    a = a + (fp16_at(w, o + 208) * xd[r, bi]) * _F32(dot_q6_k(w, o, xq, xo + 256 * bi))
-            acc[k] = a
-        return
-    for k in range(nt):
-        acc[k] = _F32(0.0)
-    if code == _Q8_0 or code == _IQ4_NL or code == _Q2_0:
-        for bi in range(nb):
-            if code == _Q8_0:
-                o = base + 34 * bi
-                dw = fp16_at(w, o)
-                nh = 1
-            elif code == _IQ4_NL:
-                o = base + 18 * bi
-                dw = fp16_at(w, o)
-                nh = 1
-            else:
-                o = base + 18 * bi
-                dw = fp16_at(w, o)
-                for l in range(16):
-                    q = w[o + 2 + l]
-                    for jj in range(4):
-                        w8[4 * l + jj] = np.int8(np.int32((q >> np.uint8(2 * jj)) & 3) - 1)
-                nh = 2
+def _row_at_for(code_value):
+    """The row function of type code ``code_value`` (a constant in its body, so
+    numba drops the other types' branches before it types the code)."""
+    def row_at(code_, w, base, nb, xq, xd, xs, arow, nt, acc, w64, w8, sc, mn):
+        """acc[k] = the row at byte ``base`` of ``w`` (uint8, nb blocks) times
+        activation row arow[k]. The activations are indexed in place (xq, xd, xs
+        2-D, offsets into their data) and ``w8`` is w64's bytes: no array view is
+        made per row, so no reference count is touched in the loop over rows."""
+        code = code_value
+        frac = _FRACTION[code]
+        nx = xq.shape[1]
+        if AVX2 and (code == _Q8_0 or code == _Q4_K or code == _Q5_K or code == _Q6_K):
+            # blocks read in vector registers, no scratch: token by token (the row stays in L1), each block's
+            # float step in the reference's order onto a register accumulator
             for k in range(nt):
                 r = arow[k]
-                a = acc[k]
-                for hh in range(nh):
-                    ab = nh * bi + hh
-                    if code == _IQ4_NL:
-                        s = dot_iq4(w, o + 2, xq, r * nx + 32 * ab)
-                    elif code == _Q8_0:
-                        s = dot32_s8(w, o + 2, xq, r * nx + 32 * ab)      # the codes read in place as int8
-                    else:
-                        s = dot32_s8(w8, 32 * hh, xq, r * nx + 32 * ab)
-                    a = a + (dw * xd[r, ab]) * (_F32(s) * frac)
+                xo = r * nx
+                a = _F32(0.0)
+                if code == _Q8_0:
+                    bi = 0
+                    while bi + 8 <= nb:
+                        a = q8_0_x8(w, base + 34 * bi, xq, xo + 32 * bi, xd, r * xd.shape[1] + bi, a)
+                        bi += 8
+                    for b in range(bi, nb):
+                        o = base + 34 * b
+                        a = a + (fp16_at(w, o) * xd[r, b]) * _F32(dot32_s8(w, o + 2, xq, xo + 32 * b))
+                elif code == _Q4_K:
+                    for bi in range(nb):
+                        a = a + blk_q4_k(w, base + 144 * bi, xq, xo + 256 * bi, xs, r * xs.shape[1] + 8 * bi, xd[r, bi])
+                elif code == _Q5_K:
+                    for bi in range(nb):
+                        a = a + blk_q5_k(w, base + 176 * bi, xq, xo + 256 * bi, xs, r * xs.shape[1] + 8 * bi, xd[r, bi])
+                else:
+                    for bi in range(nb):
+                        o = base + 210 * bi
+                        a = a + (fp16_at(w, o + 208) * xd[r, bi]) * _F32(dot_q6_k(w, o, xq, xo + 256 * bi))
                 acc[k] = a
-        return
-    if code == _IQ4_XS and nt == 1:
-        # the common case (one token) as one tight loop per type with a register accumulator: the dispatch
-        # out of the block loop keeps each loop small enough for LLVM to optimise (2x on this loop; one
-        # shared loop with the dispatch inside measured 0.57 of ggml against 0.82 for IQ4_XS)
-        r = arow[0]
-        xo = r * nx
-        a = acc[0]
+            return
+        for k in range(nt):
+            acc[k] = _F32(0.0)
+        if code == _Q8_0 or code == _IQ4_NL or code == _Q2_0:
+            for bi in range(nb):
+                if code == _Q8_0:
+                    o = base + 34 * bi
+                    dw = fp16_at(w, o)
+                    nh = 1
+                elif code == _IQ4_NL:
+                    o = base + 18 * bi
+                    dw = fp16_at(w, o)
+                    nh = 1
+                else:
+                    o = base + 18 * bi
+                    dw = fp16_at(w, o)
+                    for l in range(16):
+                        q = w[o + 2 + l]
+                        for jj in range(4):
+                            w8[4 * l + jj] = np.int8(np.int32((q >> np.uint8(2 * jj)) & 3) - 1)
+                    nh = 2
+                for k in range(nt):
+                    r = arow[k]
+                    a = acc[k]
+                    for hh in range(nh):
+                        ab = nh * bi + hh
+                        if code == _IQ4_NL:
+                            s = dot_iq4(w, o + 2, xq, r * nx + 32 * ab)
+                        elif code == _Q8_0:
+                            s = dot32_s8(w, o + 2, xq, r * nx + 32 * ab)      # the codes read in place as int8
+                        else:
+                            s = dot32_s8(w8, 32 * hh, xq, r * nx + 32 * ab)
+                        a = a + (dw * xd[r, ab]) * (_F32(s) * frac)
+                    acc[k] = a
+            return
+        if code == _IQ4_XS and nt == 1:
+            # the common case (one token) as one tight loop per type with a register accumulator: the dispatch
+            # out of the block loop keeps each loop small enough for LLVM to optimise (2x on this loop; one
+            # shared loop with the dispatch inside measured 0.57 of ggml against 0.82 for IQ4_XS)
+            r = arow[0]
+            xo = r * nx
+            a = acc[0]
+            if AVX2:
+                for bi in range(nb):
+                    o = base + 136 * bi
+                    s = dot_iq4_xs_r(w, o, xq, xo + 256 * bi)      # the scales unpacked in vector lanes
+                    a = a + (fp16_at(w, o) * xd[r, bi]) * (_F32(s) * frac)
+            else:
+                for bi in range(nb):
+                    o = base + 136 * bi
+                    _scales_iq4_xs(w, o, sc)
+                    s = dot_iq4_xs(w, o, sc, xq, xo + 256 * bi)
+                    a = a + (fp16_at(w, o) * xd[r, bi]) * (_F32(s) * frac)
+            acc[0] = a
+            return
+        if code == _Q4_K and nt == 1:
+            r = arow[0]
+            xo = r * nx
+            a = acc[0]
+            for bi in range(nb):
+                o = base + 144 * bi
+                _scales_q4_k(w, o, sc, mn)
+                s = dot_q4_k(w, o, sc, xq, xo + 256 * bi)
+                v = (fp16_at(w, o) * xd[r, bi]) * (_F32(s) * frac)
+                m = np.int32(0)
+                for j in range(8):
+                    m += mn[j] * xs[r, 8 * bi + j]
+                a = a + (v - (fp16_at(w, o + 2) * xd[r, bi]) * _F32(m))
+            acc[0] = a
+            return
+        size = _BLOCK_BYTES[code]
         if AVX2:
+            # the grid types, decoded in vector registers by the block sums themselves: one function per type
+            # (compiled on its own, not inlined): inside the one large function that holds every type's loop
+            # LLVM compiled these loops to 0.7 of their speed alone
+            if nt == 1 and code == _IQ3_S:
+                acc[0] = _blocks_iq3_s(w, base, nb, xq, xd, arow[0])
+                return
+            if nt == 1 and code == _IQ3_XXS:
+                acc[0] = _blocks_iq3_xxs(w, base, nb, xq, xd, arow[0])
+                return
+            if nt == 1 and code == _IQ2_XS:
+                acc[0] = _blocks_iq2_xs(w, base, nb, xq, xd, arow[0])
+                return
+        if nt == 1 and not (code == _IQ4_XS or code == _Q4_K):
+            # the decoded types with one token: the activation row and the accumulator hoisted out of the loop
+            r = arow[0]
+            xo = r * nx
+            a = acc[0]
             for bi in range(nb):
-                o = base + 136 * bi
-                s = dot_iq4_xs_r(w, o, xq, xo + 256 * bi)      # the scales unpacked in vector lanes
-                a = a + (fp16_at(w, o) * xd[r, bi]) * (_F32(s) * frac)
-        else:
-            for bi in range(nb):
-                o = base + 136 * bi
-                _scales_iq4_xs(w, o, sc)
-                s = dot_iq4_xs(w, o, sc, xq, xo + 256 * bi)
-                a = a + (fp16_at(w, o) * xd[r, bi]) * (_F32(s) * frac)
-        acc[0] = a
-        return
-    if code == _Q4_K and nt == 1:
-        r = arow[0]
-        xo = r * nx
-        a = acc[0]
-        for bi in range(nb):
-            o = base + 144 * bi
-            _scales_q4_k(w, o, sc, mn)
-            s = dot_q4_k(w, o, sc, xq, xo + 256 * bi)
-            v = (fp16_at(w, o) * xd[r, bi]) * (_F32(s) * frac)
-            m = np.int32(0)
-            for j in range(8):
-                m += mn[j] * xs[r, 8 * bi + j]
-            a = a + (v - (fp16_at(w, o + 2) * xd[r, bi]) * _F32(m))
-        acc[0] = a
-        return
-    size = _BLOCK_BYTES[code]
-    if AVX2:
-        # the grid types, decoded in vector registers by the block sums themselves: one function per type
-        # (compiled on its own, not inlined): inside the one large function that holds every type's loop
-        # LLVM compiled these loops to 0.7 of their speed alone
-        if nt == 1 and code == _IQ3_S:
-            acc[0] = _blocks_iq3_s(w, base, nb, xq, xd, arow[0])
+                o = base + size * bi
+                _decode_block(code, w, o, w64, w8, sc, mn)
+                if code == _IQ2_XS or code == _IQ2_S or code == _Q6_K:
+                    s = _dot_halves(w8, sc, xq, xo + 256 * bi)
+                else:
+                    s = _dot8(w8, sc, xq, xo + 256 * bi)
+                dw = fp16_at(w, o + 208) if code == _Q6_K else fp16_at(w, o)
+                v = (dw * xd[r, bi]) * (_F32(s) * frac)
+                if code == _Q5_K:
+                    m = np.int32(0)
+                    for j in range(8):
+                        m += mn[j] * xs[r, 8 * bi + j]
+                    v = v - (fp16_at(w, o + 2) * xd[r, bi]) * _F32(m)
+                a = a + v
+            acc[0] = a
             return
-        if nt == 1 and code == _IQ3_XXS:
-            acc[0] = _blocks_iq3_xxs(w, base, nb, xq, xd, arow[0])
-            return
-        if nt == 1 and code == _IQ2_XS:
-            acc[0] = _blocks_iq2_xs(w, base, nb, xq, xd, arow[0])
-            return
-    if nt == 1 and not (code == _IQ4_XS or code == _Q4_K):
-        # the decoded types with one token: the activation row and the accumulator hoisted out of the loop
-        r = arow[0]
-        xo = r * nx
-        a = acc[0]
         for bi in range(nb):
             o = base + size * bi
             _decode_block(code, w, o, w64, w8, sc, mn)
-            if code == _IQ2_XS or code == _IQ2_S or code == _Q6_K:
-                s = _dot_halves(w8, sc, xq, xo + 256 * bi)
+            if code == _Q6_K:
+                dw = fp16_at(w, o + 208)
             else:
-                s = _dot8(w8, sc, xq, xo + 256 * bi)
-            dw = fp16_at(w, o + 208) if code == _Q6_K else fp16_at(w, o)
-            v = (dw * xd[r, bi]) * (_F32(s) * frac)
-            if code == _Q5_K:
-                m = np.int32(0)
-                for j in range(8):
-                    m += mn[j] * xs[r, 8 * bi + j]
-                v = v - (fp16_at(w, o + 2) * xd[r, bi]) * _F32(m)
-            a = a + v
-        acc[0] = a
-        return
-    for bi in range(nb):
-        o = base + size * bi
-        _decode_block(code, w, o, w64, w8, sc, mn)
-        if code == _Q6_K:
-            dw = fp16_at(w, o + 208)
-        else:
-            dw = fp16_at(w, o)
-        for k in range(nt):
-            r = arow[k]
-            xo = r * nx + 256 * bi
-            if code == _IQ2_XS or code == _IQ2_S or code == _Q6_K:
-                s = _dot_halves(w8, sc, xq, xo)
-            elif code == _IQ4_XS:
-                s = dot_iq4_xs(w, o, sc, xq, xo)
-            elif code == _Q4_K:
-                s = dot_q4_k(w, o, sc, xq, xo)
-            else:
-                s = _dot8(w8, sc, xq, xo)
-            dd = dw * xd[r, bi]
-            v = dd * (_F32(s) * frac)
-            if code == _Q4_K or code == _Q5_K:
-                m = np.int32(0)
-                for j in range(8):
-                    m += mn[j] * xs[r, 8 * bi + j]
-                v = v - (fp16_at(w, o + 2) * xd[r, bi]) * _F32(m)
-            acc[k] = acc[k] + v
+                dw = fp16_at(w, o)
+            for k in range(nt):
+                r = arow[k]
+                xo = r * nx + 256 * bi
+                if code == _IQ2_XS or code == _IQ2_S or code == _Q6_K:
+                    s = _dot_halves(w8, sc, xq, xo)
+                elif code == _IQ4_XS:
+                    s = dot_iq4_xs(w, o, sc, xq, xo)
+                elif code == _Q4_K:
+                    s = dot_q4_k(w, o, sc, xq, xo)
+                else:
+                    s = _dot8(w8, sc, xq, xo)
+                dd = dw * xd[r, bi]
+                v = dd * (_F32(s) * frac)
+                if code == _Q4_K or code == _Q5_K:
+                    m = np.int32(0)
+                    for j in range(8):
+                        m += mn[j] * xs[r, 8 * bi + j]
+                    v = v - (fp16_at(w, o + 2) * xd[r, bi]) * _F32(m)
+                acc[k] = acc[k] + v
+    return row_at
+
+
+def row_at(code_, w, base, nb, xq, xd, xs, arow, nt, acc, w64, w8, sc, mn):
+    """acc[k] = the row at byte ``base`` of ``w`` times activation row
+    arow[k], for a constant type ``code_`` (the row kernels of :mod:`.rows`
+    call it with their closure's type code; inlined)."""
+
+
+@overload(row_at, inline="always")
+def _ov_row_at(code_, w, base, nb, xq, xd, xs, arow, nt, acc, w64, w8, sc, mn):
+    if isinstance(code_, types.IntegerLiteral):
+        return _row_at_for(code_.literal_value)
+    return None
 
 
 @njit(cache=True, inline="always")
@@ -406,7 +443,6 @@ def scratch_of(nt):
             raw[352 + 8 * nt:352 + 12 * nt].view(np.float32), raw[352:352 + 8 * nt].view(np.int64))
 
 
-row_at = _row_at      # inlined into the row kernels of .rows
 BLOCK_BYTES = _BLOCK_BYTES
 
 
