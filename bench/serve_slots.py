@@ -14,8 +14,14 @@ to the factory, e.g. ``--set block_count=8 --set embedding_length=1024
 caches (a decode bound by reading the weights, as a real model's). The
 model's weight size is printed first.
 
+With ``--engine`` the server runs on the engine (``runtime.Engine``: CUDA
+graphs and the Triton kernels with CUDA, else its reference operations):
+at 2 slots the engine holds two lanes and every round is one batched step
+of both, at 1 slot one lane (``--mix``: the factory's quant mix, ``release``
+by default there; ``--device``).
+
     PYTHONPATH=. python bench/serve_slots.py [--arch qwen3moe] [--clients 4] [--tokens 64] [--threads 1] [--repeat 5]
-        [--set KEY=VALUE ...]
+        [--set KEY=VALUE ...] [--engine [--device cuda|cpu] [--mix release]]
 """
 from __future__ import annotations
 
@@ -74,6 +80,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="alternating 1-slot / 2-slot pairs")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a factory model size, GGUF key without the arch prefix, dots as underscores")
+    ap.add_argument("--engine", action="store_true", help="serve on runtime.Engine (slots as its lanes)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="with --engine")
+    ap.add_argument("--mix", default=None, help="the factory's quant mix (f32; release with --engine)")
     args = ap.parse_args()
     sizes = {}
     for kv in args.set:
@@ -81,12 +90,25 @@ def main() -> None:
         sizes[key] = int(value)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as d:
-        path = make_model(Path(d) / "m.gguf", args.arch, mix="f32", **sizes)
-        model, tok = fle_engine.load(path), Tokenizer.from_gguf(path)
-        n_bytes = sum(t.numel() * t.element_size() for t in model.net.parameters())
-        print(f"{args.arch}: factory model {' '.join(args.set) or '(default sizes)'}: {n_bytes / 2**20:.1f} MiB of "
-              f"weights, {model.args}")
-        engines = {n: Engine(model, tok, n_ctx=512 * n, name="bench", n_parallel=n) for n in (1, 2)}
+        mix = args.mix or ("release" if args.engine else "f32")
+        path = make_model(Path(d) / "m.gguf", args.arch, mix=mix, **sizes)
+        tok = Tokenizer.from_gguf(path)
+        if args.engine:
+            from fle_engine.runtime import Engine as Runtime
+
+            models = {n: Runtime(path, device=args.device, ctx_size=512 * n, n_seq=n, profile_path="none",
+                                 progress=False, log=lambda m: None) for n in (1, 2)}
+            print(f"{args.arch}: factory model ({mix}) {' '.join(args.set) or '(default sizes)'} on the engine "
+                  f"({args.device}, {'CUDA graphs' if models[1]._graph is not None else 'eager'}): "
+                  f"{models[1].net.dense_bytes / 2**20:.1f} MiB of dense weights, "
+                  f"{models[1].host.nbytes / 2**20:.1f} MiB of experts")
+        else:
+            model = fle_engine.load(path)
+            models = {1: model, 2: model}
+            n_bytes = sum(t.numel() * t.element_size() for t in model.net.parameters())
+            print(f"{args.arch}: factory model {' '.join(args.set) or '(default sizes)'}: {n_bytes / 2**20:.1f} MiB "
+                  f"of weights, {model.args}")
+        engines = {n: Engine(models[n], tok, n_ctx=512 * n, name="bench", n_parallel=n) for n in (1, 2)}
         decode = {n: _count_decode_cpu(e) for n, e in engines.items()}
         wall_ratios, cpu_ratios, dec_ratios = [], [], []
         for rep in range(args.repeat):
@@ -104,6 +126,9 @@ def main() -> None:
                   f"{cpu_ratios[-1]:.2f}x per CPU second, {dec_ratios[-1]:.2f}x per decode-thread CPU second")
         for eng in engines.values():
             eng.stop()
+        if args.engine:
+            for m in models.values():
+                m.close()
         print(f"{args.arch}: 2 slots / 1 slot, median of {args.repeat} pairs = {statistics.median(wall_ratios):.2f}x "
               f"wall, {statistics.median(cpu_ratios):.2f}x per CPU second, {statistics.median(dec_ratios):.2f}x per "
               f"decode-thread CPU second (pairs, wall: "

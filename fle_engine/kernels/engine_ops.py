@@ -27,6 +27,12 @@ Signatures (both sides; outputs written in place):
   scale, out, partial, ml)``: T tokens at positions pos .. pos + T - 1
   (``qkv`` [T, W], ``q``/``out`` [T, H Dh]); token t attends to positions
   0 .. pos + t. The references are T calls of the one-token references
+- ``qk_rope_kv_multi(..., lanes=lanes)``, ``attention_multi(..., lanes=lanes)``:
+  the rows of a batched step of several sequences ("lanes"): row t is at
+  position ``pos[t]`` (int64 [T]) of lane ``lanes[t]`` (int64 [T]), whose
+  cache is ``k_cache[lanes[t]]`` of lane-stacked caches [N, Hkv, P, Dh]
+  (:meth:`Q8Cache.lane` for q8_0); row t attends to positions
+  0 .. pos[t] of its own lane
 - ``embed_row(table, qtype, tok, out)``
 - ``attention(..., keep, ratio)``: only the positions p whose block
   ``keep[p // ratio]`` is set count (sparse attention);
@@ -80,7 +86,8 @@ from fle_quant.ggml_types import GGMLType
 
 from .reference import dequantize_weights
 
-__all__ = ["OPS", "pick", "ExpertWords", "WordSpace", "tile_columns", "WORDS", "Q8Cache", "q8_0_quantize", "kv_nbytes"]
+__all__ = ["OPS", "pick", "ExpertWords", "WordSpace", "tile_columns", "WORDS", "Q8Cache", "q8_0_quantize", "kv_nbytes",
+           "lane_of"]
 
 
 class ExpertWords:
@@ -127,13 +134,21 @@ class Q8Cache:
 
     BLOCK = 32
 
-    def __init__(self, n_kv: int, n_pos: int, head_dim: int, device):
+    def __init__(self, n_kv: int, n_pos: int, head_dim: int, device, lanes: int = 0):
         if head_dim % self.BLOCK:
             raise FleError(f"a q8_0 KV cache needs a head size that is a multiple of 32, not {head_dim}; "
                            f"use --cache-type-k/-v f16")
-        self.q = torch.zeros(n_kv, n_pos, head_dim, dtype=torch.int8, device=device)
-        self.d = torch.zeros(n_kv, n_pos, head_dim // self.BLOCK, dtype=torch.float16, device=device)
+        lead = (lanes,) if lanes else ()          # lanes: the caches of that many sequences, [N, Hkv, P, Dh]
+        self.q = torch.zeros(*lead, n_kv, n_pos, head_dim, dtype=torch.int8, device=device)
+        self.d = torch.zeros(*lead, n_kv, n_pos, head_dim // self.BLOCK, dtype=torch.float16, device=device)
         self.shape = self.q.shape
+
+    def lane(self, i: int) -> "Q8Cache":
+        """Lane ``i`` of lane-stacked caches: a [Hkv, P, Dh] cache sharing the storage."""
+        out = Q8Cache.__new__(Q8Cache)
+        out.q, out.d = self.q[i], self.d[i]
+        out.shape = out.q.shape
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -166,6 +181,11 @@ def q8_0_quantize(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def kv_nbytes(c) -> int:
     return c.nbytes if isinstance(c, Q8Cache) else c.numel() * c.element_size()
+
+
+def lane_of(cache, i: int):
+    """Lane ``i`` of a lane-stacked cache (a tensor [N, ...] or a Q8Cache)."""
+    return cache.lane(i) if isinstance(cache, Q8Cache) else cache[i]
 
 
 # ---------------------------------------------------------------------------
@@ -312,18 +332,26 @@ def qk_rope_kv_ref(qkv: Tensor, q_norm, k_norm, eps: float, cos: Tensor, sin: Te
 
 def qk_rope_kv_multi_ref(qkv: Tensor, q_norm, k_norm, eps: float, cos: Tensor, sin: Tensor, pos: Tensor,
                          n_head: int, n_kv: int, head_dim: int, n_rot: int, q_out: Tensor, k_cache: Tensor,
-                         v_cache: Tensor) -> None:
+                         v_cache: Tensor, lanes: "Tensor | None" = None) -> None:
     width = (n_head + 2 * n_kv) * head_dim
     for t in range(qkv.shape[0]):
-        qk_rope_kv_ref(qkv[t, :width], q_norm, k_norm, eps, cos, sin, pos + t, n_head, n_kv, head_dim, n_rot, q_out[t],
-                       k_cache, v_cache)
+        kc, vc, p = k_cache, v_cache, pos + t
+        if lanes is not None:                    # row t: its own lane and position
+            i = int(lanes[t])
+            kc, vc, p = lane_of(k_cache, i), lane_of(v_cache, i), pos[t:t + 1]
+        qk_rope_kv_ref(qkv[t, :width], q_norm, k_norm, eps, cos, sin, p, n_head, n_kv, head_dim, n_rot, q_out[t],
+                       kc, vc)
 
 
 def attention_multi_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
-                        partial=None, ml=None, keep: "Tensor | None" = None, ratio: int = 0) -> None:
+                        partial=None, ml=None, keep: "Tensor | None" = None, ratio: int = 0,
+                        lanes: "Tensor | None" = None) -> None:
     for t in range(q.shape[0]):
-        attention_ref(q[t], k_cache, v_cache, pos + t, scale, out[t], keep=None if keep is None else keep[t],
-                      ratio=ratio)
+        kc, vc, p = k_cache, v_cache, pos + t
+        if lanes is not None:
+            i = int(lanes[t])
+            kc, vc, p = lane_of(k_cache, i), lane_of(v_cache, i), pos[t:t + 1]
+        attention_ref(q[t], kc, vc, p, scale, out[t], keep=None if keep is None else keep[t], ratio=ratio)
 
 
 def attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,

@@ -623,11 +623,16 @@ def _store_q8(q_ptr, d_ptr, row, y, DH: tl.constexpr):
 
 @triton.jit
 def _qk_rope_kv_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache, v_cache, kd_ptr, vd_ptr,
-                       n_head, n_kv, n_pos, eps, stride_qkv, stride_q, DH: tl.constexpr, NROT: tl.constexpr,
-                       HAS_NORM: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr):
+                       lane_ptr, n_head, n_kv, n_pos, eps, stride_qkv, stride_q, DH: tl.constexpr, NROT: tl.constexpr,
+                       HAS_NORM: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
-    t = tl.program_id(1)                     # token t of the step sits at position pos + t
-    pos = tl.load(pos_ptr).to(tl.int64) + t
+    t = tl.program_id(1)
+    if ROWS:                                 # row t of a batched step: its own position, in its lane's cache
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        head0 = tl.load(lane_ptr + t).to(tl.int64) * n_kv
+    else:                                    # token t of the step sits at position pos + t
+        pos = tl.load(pos_ptr).to(tl.int64) + t
+        head0 = 0
     qkv_ptr += t.to(tl.int64) * stride_qkv
     q_ptr += t.to(tl.int64) * stride_q
     d = tl.arange(0, DH)
@@ -651,14 +656,15 @@ def _qk_rope_kv_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr
         if is_q:
             tl.store(q_ptr + base + d, y)
         else:
-            j = (pid - n_head).to(tl.int64)
+            j = head0 + (pid - n_head).to(tl.int64)
             if K_Q8:
                 _store_q8(k_cache, kd_ptr, j * n_pos + pos, y, DH)
             else:
                 tl.store(k_cache + (j * n_pos + pos) * DH + d, y.to(k_cache.dtype.element_ty))
     else:
-        j = (pid - n_head - n_kv).to(tl.int64)
-        v = tl.load(qkv_ptr + (n_head + n_kv) * DH + j * DH + d)
+        jv = (pid - n_head - n_kv).to(tl.int64)
+        j = head0 + jv
+        v = tl.load(qkv_ptr + (n_head + n_kv) * DH + jv * DH + d)
         if V_Q8:
             _store_q8(v_cache, vd_ptr, j * n_pos + pos, v, DH)
         else:
@@ -677,22 +683,24 @@ def qk_rope_kv(qkv: Tensor, q_norm: "Tensor | None", k_norm: "Tensor | None", ep
 
 def qk_rope_kv_multi(qkv: Tensor, q_norm: "Tensor | None", k_norm: "Tensor | None", eps: float, cos: Tensor,
                      sin: Tensor, pos: Tensor, n_head: int, n_kv: int, head_dim: int, n_rot: int, q_out: Tensor,
-                     k_cache: Tensor, v_cache: Tensor) -> None:
+                     k_cache: Tensor, v_cache: Tensor, lanes: "Tensor | None" = None) -> None:
     """:func:`qk_rope_kv` for T tokens at positions pos .. pos + T - 1:
     ``qkv`` float32 [T, >= (H + 2 Hkv) Dh] (rows may be wider), ``q_out``
-    [T, H Dh]; every token's k and v written at its position."""
+    [T, H Dh]; every token's k and v written at its position. ``lanes``
+    (int64 [T]): row t is at position ``pos[t]`` of lane ``lanes[t]`` of
+    lane-stacked caches [N, Hkv, P, Dh]."""
     _qk_rope_kv_launch(qkv, q_norm, k_norm, eps, cos, sin, pos, n_head, n_kv, head_dim, n_rot, q_out, k_cache,
-                       v_cache, qkv.shape[0], qkv.stride(0), q_out.stride(0))
+                       v_cache, qkv.shape[0], qkv.stride(0), q_out.stride(0), lanes)
 
 
 def _qk_rope_kv_launch(qkv, q_norm, k_norm, eps, cos, sin, pos, n_head, n_kv, head_dim, n_rot, q_out, k_cache,
-                       v_cache, n_tok, stride_qkv, stride_q) -> None:
+                       v_cache, n_tok, stride_qkv, stride_q, lanes=None) -> None:
     has_norm = q_norm is not None
     (kq, kd, k8), (vq, vd, v8) = _kv_parts(k_cache), _kv_parts(v_cache)
     _qk_rope_kv_kernel[(n_head + 2 * n_kv, n_tok)](
         qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, pos, q_out, kq, vq, kd, vd,
-        n_head, n_kv, k_cache.shape[1], float(eps), stride_qkv, stride_q, DH=head_dim, NROT=n_rot,
-        HAS_NORM=has_norm, K_Q8=k8, V_Q8=v8, num_warps=1)
+        pos if lanes is None else lanes, n_head, n_kv, k_cache.shape[-2], float(eps), stride_qkv, stride_q,
+        DH=head_dim, NROT=n_rot, HAS_NORM=has_norm, K_Q8=k8, V_Q8=v8, ROWS=lanes is not None, num_warps=1)
 
 
 def _kv_parts(cache):
@@ -709,13 +717,19 @@ def _kv_parts(cache):
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, k_ptr, v_ptr, kd_ptr, vd_ptr, pos_ptr, o_ptr, ml_ptr, keep_ptr, ratio, stride_keep, n_pos,
-                       scale, group, stride_q, GP: tl.constexpr, DH: tl.constexpr, BLOCK_P: tl.constexpr,
-                       N_SPLIT: tl.constexpr, HAS_KEEP: tl.constexpr, K_Q8: tl.constexpr, V_Q8: tl.constexpr):
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, kd_ptr, vd_ptr, pos_ptr, o_ptr, ml_ptr, keep_ptr, lane_ptr, ratio,
+                       stride_keep, n_pos, scale, group, stride_q, GP: tl.constexpr, DH: tl.constexpr,
+                       BLOCK_P: tl.constexpr, N_SPLIT: tl.constexpr, HAS_KEEP: tl.constexpr, K_Q8: tl.constexpr,
+                       V_Q8: tl.constexpr, ROWS: tl.constexpr):
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
-    t = tl.program_id(2)                     # token t of the step sees positions 0 .. pos + t
-    length = tl.load(pos_ptr).to(tl.int32) + 1 + t
+    t = tl.program_id(2)
+    if ROWS:                                 # row t of a batched step: positions 0 .. pos[t] of its lane
+        length = tl.load(pos_ptr + t).to(tl.int32) + 1
+        head = tl.load(lane_ptr + t).to(tl.int64) * tl.num_programs(0) + kvh
+    else:                                    # token t of the step sees positions 0 .. pos + t
+        length = tl.load(pos_ptr).to(tl.int32) + 1 + t
+        head = kvh.to(tl.int64)
     q_ptr += t.to(tl.int64) * stride_q
     keep_ptr += t.to(tl.int64) * stride_keep          # token t's own block mask (0: one mask for all)
     rows_t = tl.num_programs(0) * N_SPLIT * GP           # scratch rows per token
@@ -731,8 +745,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, kd_ptr, vd_ptr, pos_ptr, o_ptr, ml_p
     m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, DH], dtype=tl.float32)
-    kbase = k_ptr + kvh.to(tl.int64) * n_pos * DH
-    vbase = v_ptr + kvh.to(tl.int64) * n_pos * DH
+    kbase = k_ptr + head * n_pos * DH
+    vbase = v_ptr + head * n_pos * DH
     p0 = start
     while p0 < end:
         p = p0 + tl.arange(0, BLOCK_P)
@@ -740,7 +754,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, kd_ptr, vd_ptr, pos_ptr, o_ptr, ml_p
         off = p.to(tl.int64)[:, None] * DH + d[None, :]
         kt = tl.load(kbase + off, mask=pm[:, None], other=0.0).to(tl.float32)
         if K_Q8 or V_Q8:
-            doff = (kvh.to(tl.int64) * n_pos + p.to(tl.int64))[:, None] * (DH // 32) + (d // 32)[None, :]
+            doff = (head * n_pos + p.to(tl.int64))[:, None] * (DH // 32) + (d // 32)[None, :]
         if K_Q8:
             kt = kt * tl.load(kd_ptr + doff, mask=pm[:, None], other=0.0).to(tl.float32)
         s = tl.sum(q[:, None, :] * kt[None, :, :], axis=2) * scale
@@ -800,7 +814,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: f
 
 
 def attention_multi(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, scale: float, out: Tensor,
-                    partial: Tensor, ml: Tensor, keep: "Tensor | None" = None, ratio: int = 0) -> None:
+                    partial: Tensor, ml: Tensor, keep: "Tensor | None" = None, ratio: int = 0,
+                    lanes: "Tensor | None" = None) -> None:
     """Causal attention of T tokens at positions pos .. pos + T - 1 (their
     keys and values already in the cache): token t of ``q`` float32
     [T, H Dh] sees positions 0 .. pos + t -> ``out`` [T, H Dh]; the scratch
@@ -808,24 +823,26 @@ def attention_multi(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, sc
     decode attention (the same splits over its own length); the keys of the
     shared prefix are read once per token, mostly from L2. ``keep`` (int32
     [T, NB], rows of one stride): token t's block mask, as
-    :func:`attention`'s."""
+    :func:`attention`'s. ``lanes`` (int64 [T]): row t sees positions
+    0 .. ``pos[t]`` of lane ``lanes[t]`` of lane-stacked caches
+    [N, Hkv, P, Dh] (a batched step of several sequences)."""
     _attn_launch(q[0], k_cache, v_cache, pos, scale, out[0], partial, ml, keep, ratio, q.shape[0], q.stride(0),
-                 out.stride(0))
+                 out.stride(0), lanes)
 
 
 def _attn_launch(q, k_cache, v_cache, pos, scale, out, partial, ml, keep, ratio, n_tok, stride_q,
-                 stride_out) -> None:
-    n_kv, n_pos, dh = k_cache.shape
+                 stride_out, lanes=None) -> None:
+    n_kv, n_pos, dh = k_cache.shape[-3:]
     group = q.numel() // dh // n_kv
     gp = triton.next_power_of_2(group)
     (kq, kd, k8), (vq, vd, v8) = _kv_parts(k_cache), _kv_parts(v_cache)
     stride_keep = keep.stride(0) if keep is not None and keep.dim() == 2 else 0
     _attn_split_kernel[(n_kv, ATTN_SPLITS, n_tok)](q, kq, vq, kd, vd, pos, partial, ml,
-                                                   pos if keep is None else keep, max(1, int(ratio)), stride_keep,
-                                                   n_pos,
+                                                   pos if keep is None else keep, pos if lanes is None else lanes,
+                                                   max(1, int(ratio)), stride_keep, n_pos,
                                                    float(scale), group, stride_q, GP=gp, DH=dh, BLOCK_P=16,
                                                    N_SPLIT=ATTN_SPLITS, HAS_KEEP=keep is not None, K_Q8=k8,
-                                                   V_Q8=v8, num_warps=4)
+                                                   V_Q8=v8, ROWS=lanes is not None, num_warps=4)
     _attn_reduce_kernel[(n_kv * group, n_tok)](partial, ml, out, group, stride_out, GP=gp, DH=dh,
                                                N_SPLIT=ATTN_SPLITS, num_warps=2)
 

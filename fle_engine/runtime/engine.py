@@ -17,6 +17,15 @@ Drafted decoding checks n drafted tokens in one step of T = 1 + n tokens:
 :meth:`Engine.verify_step` (a CUDA graph per T, captured on first use),
 :meth:`Engine.rewind` to drop the rejected positions, and
 :meth:`Engine.step_cost` to measure such a step.
+
+Several sequences: ``Engine(..., n_seq=N)`` holds N lanes, each with its
+own KV cache rows, recurrent state and position (``ctx_size / N``
+positions each, as llama-server shares ``--ctx-size`` among ``--parallel``
+slots). :meth:`Engine.select` makes a lane the one that the one-sequence
+methods (``tokens``, ``generate``, prefill, ``reset``) run on;
+:meth:`Engine.lane_prompt` processes a lane's prompt and
+:meth:`Engine.step_lanes` runs one batched decode step of one token for
+each of several lanes (a CUDA graph per batch size).
 """
 from __future__ import annotations
 
@@ -103,6 +112,16 @@ class RunStats:
                 f"({self.replay_seconds / steps * 1e3:.3f} of them graph replays)")
 
 
+# what the engine keeps per lane besides the device state (Engine.select swaps them in)
+_LANE_FIELDS = ("state", "history", "launched", "consumed", "length", "_last_tok", "cached_tokens", "_multi_at",
+                "_graphs")
+
+
+def _lane_caches(kv_all: list, i: int) -> list:
+    """Lane ``i``'s per-layer state as views of the lane-stacked state."""
+    return [tuple(engine_ops.lane_of(t, i) for t in c) for c in kv_all]
+
+
 def _out_views(buf: torch.Tensor, n_layer: int, k: int):
     """(ids [L, K] int32, hits [L, K] int32, token [1] int64) as views of
     the int32 buffer ``buf`` of ``2 * L * K + 2`` values (the token's offset
@@ -123,8 +142,14 @@ class Engine:
                  cache_type_k: str = "f16", cache_type_v: str = "f16", impl: str = "auto", miss_split="gpu",
                  cpu_impl: str = "auto", miss_activations: str = "float", ubatch: int = 4096, prefill_min: int = PREFILL_MIN,
                  profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
-                 progress: bool = True, log=None, mtp=None, mtp_experts: str = "auto"):
+                 progress: bool = True, log=None, mtp=None, mtp_experts: str = "auto", n_seq: int = 1):
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr))
+        self.n_seq = int(n_seq)
+        if self.n_seq < 1:
+            raise FleError(f"the engine holds at least one sequence, not {n_seq}")
+        if self.n_seq > 1 and mtp:
+            raise FleError(f"MTP drafting runs on one sequence: with --mtp the engine serves --parallel 1, "
+                           f"not {self.n_seq}")
         self.device = torch.device(device)
         self.net = None
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -149,6 +174,10 @@ class Engine:
                            f"reference path (--device cpu or fle_engine.load)")
         self.net = arch.Net(gguf, Weights(gguf), self.device, self.fast)
         a = self.args = self.net.args
+        why = self.net.lanes_unsupported() if self.n_seq > 1 else None
+        if why:
+            raise FleError(f"{gguf.paths[0]}: several sequences at once (--parallel {self.n_seq}) on the engine: "
+                           f"{why}; serve it with --parallel 1")
         # the MTP head before the KV cache and the expert budget, which take the memory that is left
         head = self._load_mtp(mtp, mtp_experts) if mtp else None
         self.drafter = None
@@ -157,7 +186,10 @@ class Engine:
             ctx_size = max_ctx
         if ctx_size > max_ctx:
             self.log(f"fle-engine: warning: --ctx-size {ctx_size} is beyond the model's training context ({max_ctx})")
-        self.ctx_size = int(ctx_size)
+        self.ctx_size = int(ctx_size) // self.n_seq          # positions per sequence (lane)
+        if self.ctx_size < 2:
+            raise FleError(f"--ctx-size {ctx_size} shared by {self.n_seq} sequences leaves fewer than 2 positions "
+                           f"each")
 
         # routed experts: one host buffer, read once from the file
         self.host = HostExperts(self.net.layouts, a.n_expert, pin=self.cuda)
@@ -166,12 +198,14 @@ class Engine:
         # KV cache, rotary table, step buffers
         kd, vd = KV_TYPES[cache_type_k], KV_TYPES[cache_type_v]
         st = self.state = SimpleNamespace(fast=self.fast, bufs=SimpleNamespace())
+        n_pos = self.ctx_size * self.n_seq
         try:
-            st.kv = self.net.new_caches(self.ctx_size, kd, vd)
+            kv_all = self.net.new_caches(self.ctx_size, kd, vd, self.n_seq)
         except torch.OutOfMemoryError:
             per = a.n_layer * a.n_head_kv * a.head_dim * (_KV_BYTES[cache_type_k] + _KV_BYTES[cache_type_v])
-            raise FleError(f"the KV cache for {self.ctx_size} positions needs about {per * self.ctx_size / 2**30:.1f} "
+            raise FleError(f"the KV cache for {n_pos} positions needs about {per * n_pos / 2**30:.1f} "
                            f"GiB of GPU memory, more than is free; lower --ctx-size") from None
+        st.kv = kv_all if self.n_seq == 1 else _lane_caches(kv_all, 0)
         cos, sin = rope_table(a.n_rot, a.rope_base, self.ctx_size, a.rope_freq_scale)
         st.rope_cos, st.rope_sin = torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device)
         if head is not None:
@@ -180,14 +214,22 @@ class Engine:
             self.drafter = Drafter(head, st.rope_cos, st.rope_sin, self.ctx_size)
         # what a step gives the host, in one buffer (one copy per step): routed ids, hit flags, the next token
         st.out_log, (st.ids_log, st.hit_log, st.tok) = _out_log(a.n_layer, a.n_expert_used, self.device)
-        st.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.n_seq == 1:
+            st.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
+        else:       # every lane's position, on the device; lane i's state holds a view of its own
+            self._lane_pos = torch.zeros(self.n_seq, dtype=torch.int64, device=self.device)
+            st.pos = self._lane_pos[:1]
         st.serial = torch.zeros(1, dtype=torch.int64, device=self.device)      # steps run (runtime.split)
         st.split = None
         # q8: the GPU's misses multiply their activations rounded as the CPU kernels quantize them (ggml's
         # vec_dot_type), so that a token's numbers do not depend on which side computed a miss
         st.miss_q8 = miss_activations == "q8"
         self.net.alloc(st)
-        self.kv_bytes = sum(engine_ops.kv_nbytes(t) for c in st.kv for t in c)
+        self.kv_bytes = sum(engine_ops.kv_nbytes(t) for c in kv_all for t in c)
+        self._lanes = None
+        self._lane = 0
+        if self.n_seq > 1:
+            self._setup_lanes(kv_all)
 
         # the expert cache under its budget
         self.fingerprint = model_fingerprint(gguf)
@@ -411,26 +453,32 @@ class Engine:
         """One CUDA graph per variant of the step (``net.variants``: length
         buckets where the step's shapes follow the used length), sharing one
         memory pool (they never run at once)."""
-        st = self.state
-        graphs, pool = {}, None
-        for v in self.net.variants(self.ctx_size):
-            self.net.set_variant(st, v)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):                       # compile every kernel before capture
+        pool = None
+        for lane in range(self.n_seq):                   # with several lanes: each lane's own graphs
+            if self.n_seq > 1:
+                self.select(lane)
+            st = self.state
+            graphs = {}
+            for v in self.net.variants(self.ctx_size):
+                self.net.set_variant(st, v)
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):                       # compile every kernel before capture
+                        self._step()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
                     self._step()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self._step()
-            pool = g.pool()
-            graphs[v] = g
-            st.pos.zero_()
-            self.net.reset(st)
-            torch.cuda.synchronize(self.device)
-        self._graphs = graphs
-        self._graph = next(iter(graphs.values()))
+                pool = g.pool()
+                graphs[v] = g
+                st.pos.zero_()
+                self.net.reset(st)
+                torch.cuda.synchronize(self.device)
+            self._graphs = graphs
+            self._graph = next(iter(graphs.values()))
+        if self.n_seq > 1:
+            self.select(0)
 
     def _step(self) -> None:
         self.state.serial.add_(1)
@@ -454,7 +502,8 @@ class Engine:
         slots = self.cache.slots_per_layer
         n_slots = sum(slots.values())
         self.log(f"fle-engine: {self.path.name}: {self.args.arch}, {self.args.n_layer} layers, "
-                 f"{self.args.n_expert} experts ({self.args.n_expert_used} used), context {self.ctx_size}, "
+                 f"{self.args.n_expert} experts ({self.args.n_expert_used} used), context {self.ctx_size}"
+                 + (f" per sequence x {self.n_seq} sequences" if self.n_seq > 1 else "") + ", "
                  f"loaded in {self.load_seconds:.1f} s")
         self.log(f"memory: expert cache {m['expert_slots'] / gib:.2f} GiB ({n_slots} slots, "
                  f"{n_slots / (self.args.n_expert * self.args.n_layer):.1%} of the experts) + dense weights "
@@ -715,9 +764,197 @@ class Engine:
             self.stats.gen_tokens += max(0, n_out - 1)
             self.stats.gen_seconds += t2 - (t1 or t2)
 
+    # several sequences (lanes) ------------------------------------------------------
+    def _setup_lanes(self, kv_all: list) -> None:
+        """Lane i's device state: its views of the lane-stacked caches and
+        recurrent states, its position (a view of ``_lane_pos``), the shared
+        scratch buffers (with the net's per-lane parts); and the state of
+        the batched step, whose ``kv`` are the stacked tensors."""
+        st, n = self.state, self.n_seq
+        lane_bufs, batch_bufs = self.net.lane_bufs(st, n)
+        self._lanes = []
+        for i in range(n):
+            ls = st if i == 0 else SimpleNamespace(**vars(st))
+            ls.kv = _lane_caches(kv_all, i)
+            ls.pos = self._lane_pos[i:i + 1]
+            ls.bufs = lane_bufs[i]
+            self._lanes.append(SimpleNamespace(state=ls, history=[], launched=0, consumed=0, length=0,
+                                               _last_tok=None, cached_tokens=0, _multi_at=None, _graphs={}))
+        dev = self.device
+        b = self._bst = SimpleNamespace(fast=st.fast, kv=kv_all, bufs=batch_bufs, rope_cos=st.rope_cos,
+                                        rope_sin=st.rope_sin, lane_pos=self._lane_pos, split=None,
+                                        rows=torch.zeros(n, dtype=torch.int64, device=dev),
+                                        row_pos=torch.zeros(n, dtype=torch.int64, device=dev))
+        self.net.alloc_multi(b, n, snapshots=False)
+        k = self.args.n_expert_used
+        mk = self._host
+        self._b_tok = mk(n, dt=torch.int64)
+        self._b_rows = mk(n, dt=torch.int64)
+        self._b_next = mk(n, dt=torch.int64)
+        self._b_logits = mk(n, self.args.n_vocab, dt=torch.float32)
+        self._b_ids = mk(self.args.n_layer, n * k, dt=torch.int32)
+        self._b_hits = mk(self.args.n_layer, n * k, dt=torch.int32)
+        self._lane_graphs, self._lane_pool = {}, None
+
+    def select(self, lane: int) -> None:
+        """Make lane ``lane`` the sequence that the one-sequence methods
+        (``tokens``, ``generate``, ``reset``, prefill) run on; the lane
+        before keeps its state and tokens. No steps may be in flight."""
+        lane = int(lane)
+        if not 0 <= lane < self.n_seq:
+            raise FleError(f"lane {lane}: the engine holds lanes 0..{self.n_seq - 1}")
+        if lane == self._lane:
+            return
+        if self.launched != self.consumed:
+            raise FleError("internal: a lane switch while decode steps are in flight")
+        self._park()
+        self._unpark(lane)
+
+    def _park(self) -> None:
+        rec = self._lanes[self._lane]
+        for f in _LANE_FIELDS:
+            setattr(rec, f, getattr(self, f, None))
+
+    def _unpark(self, lane: int) -> None:
+        rec = self._lanes[lane]
+        for f in _LANE_FIELDS:
+            setattr(self, f, getattr(rec, f))
+        self._lane = lane
+
+    @property
+    def lane(self) -> int:
+        """The selected lane (0 on an engine of one sequence)."""
+        return self._lane
+
+    def lane_reuse(self, lane: int, prompt: Sequence[int]) -> int:
+        """How many leading tokens of ``prompt`` lane ``lane`` would keep (:meth:`_reuse`)."""
+        self.select(lane)
+        return self._reuse([int(t) for t in prompt])
+
+    def lane_reset(self, lane: int) -> None:
+        """Lane ``lane`` starts a new sequence (nothing kept for its next prompt)."""
+        self.select(lane)
+        self.reset()
+
+    def lane_prompt(self, lane: int, prompt: Sequence[int], cache_prompt: bool = True) -> "tuple[torch.Tensor, int]":
+        """Process ``prompt`` on lane ``lane`` (prefill, or one-token steps
+        when short; the leading tokens the lane already holds are kept with
+        ``cache_prompt``, as :meth:`tokens` keeps them) -> (the logits after
+        its last token, float32 [V] on the host; the tokens kept). The lane
+        then holds the prompt; its next token goes to :meth:`step_lanes`."""
+        self.select(lane)
+        got = []
+
+        def keep(x) -> int:
+            got.append(torch.from_numpy(np.array(x, dtype=np.float32, copy=True)))
+            return 0
+
+        for _ in self.tokens(prompt, 1, sampler=keep, cache_prompt=cache_prompt):
+            pass
+        return got[0], self.cached_tokens
+
+    def step_lanes(self, lanes: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """One batched decode step: token ``tokens[b]`` appended to lane
+        ``lanes[b]`` (distinct lanes) at that lane's position, all rows
+        through every layer at once (each row's attention over its own
+        lane's cache, the routed experts of all rows as one union: each
+        distinct expert read once; one CUDA graph per batch size with
+        CUDA). Returns the logits of every row, float32 [B, V] on the host;
+        the cache policy sees all B rows' routed ids as one step. The greedy
+        token after each row is in ``next_tokens``."""
+        if self._lanes is None:
+            raise FleError("step_lanes needs an engine of several sequences (n_seq > 1)")
+        ls, toks = [int(i) for i in lanes], [int(t) for t in tokens]
+        n = len(ls)
+        if not 1 <= n <= self.n_seq or len(toks) != n or len(set(ls)) != n or not all(
+                0 <= i < self.n_seq for i in ls):
+            raise FleError(f"a batched step takes 1 to {self.n_seq} distinct lanes and one token each, not lanes "
+                           f"{ls} and {len(toks)} tokens")
+        self._park()
+        for i in ls:
+            rec = self._lanes[i]
+            if rec.launched != rec.consumed:
+                raise FleError("internal: a batched step while a lane has decode steps in flight")
+            if rec.launched + 1 > self.ctx_size:
+                raise FleError(f"lane {i} holds {rec.launched} positions: its context ({self.ctx_size}) is full")
+        b, k = self._bst, self.args.n_expert_used
+        t_start = time.perf_counter()
+        self.cache.boundary()
+        t0 = time.perf_counter()
+        self._b_tok[:n] = torch.tensor(toks, dtype=torch.int64)
+        self._b_rows[:n] = torch.tensor(ls, dtype=torch.int64)
+        b.toks[:n].copy_(self._b_tok[:n], non_blocking=self.cuda)
+        b.rows[:n].copy_(self._b_rows[:n], non_blocking=self.cuda)
+        t1 = time.perf_counter()
+        self._run_lanes(n)
+        self.stats.replay_seconds += time.perf_counter() - t1
+        m = b.multi
+        for dst, src in ((self._b_logits[:n], m.logits[:n]), (self._b_next[:n], b.next_toks[:n]),
+                         (self._b_ids[:, :n * k], m.ids_log[:, :n * k]), (self._b_hits[:, :n * k], m.hit_log[:, :n * k])):
+            dst.copy_(src, non_blocking=self.cuda)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.stats.launch_seconds += time.perf_counter() - t0
+        hits = self._b_hits[:, :n * k].numpy()
+        self.cache.observe(self._b_ids[:, :n * k].numpy(), hits)
+        self.step_hits.append(int(hits.sum()))
+        nxt = self._b_next[:n].tolist()
+        for j, i in enumerate(ls):
+            rec = self._lanes[i]
+            rec.history.append(toks[j])
+            rec.launched += 1
+            rec.consumed += 1
+            rec.length = rec.launched + 1
+            rec._last_tok = nxt[j]
+            rec._multi_at = None
+        self._unpark(self._lane)
+        self.next_tokens = nxt
+        if self.profile_path is not None and time.monotonic() - self._last_profile_save > PROFILE_EVERY_S:
+            self.save_profile()
+        self.stats.gen_tokens += n
+        self.stats.gen_seconds += time.perf_counter() - t_start
+        return self._b_logits[:n].clone()
+
+    def _run_lanes(self, n: int) -> None:
+        """The batched step of n rows on the device (its graph replayed, or eagerly)."""
+        if self._graph is not None:
+            g = self._lane_graphs.get(n)
+            (g if g is not None else self._capture_lanes(n)).replay()
+        else:
+            with torch.inference_mode():
+                self.net.step_multi(self._bst, self.ops, self.cache, n)
+
+    def _capture_lanes(self, n: int):
+        """The CUDA graph of the batched step of n rows, captured with the
+        rows as they are: the two eager runs that compile its kernels write
+        the K/V the step itself is about to write, and the lanes' positions
+        and recurrent states are put back after each."""
+        b = self._bst
+        backup = self.net.recurrent_backup(b)
+        pos = b.lane_pos.clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.net.step_multi(b, self.ops, self.cache, n)
+                b.lane_pos.copy_(pos)
+                self.net.recurrent_restore(b, backup)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._lane_pool):
+            self.net.step_multi(b, self.ops, self.cache, n)
+        self._lane_pool = g.pool()
+        self._lane_graphs[n] = g
+        return g
+
     # verify steps: T = 1 + n tokens in one pass ------------------------------------
+    def _one_lane(self, what: str) -> None:
+        if self.n_seq > 1:
+            raise FleError(f"{what} runs on an engine of one sequence; this one holds {self.n_seq} (n_seq)")
+
     def _multi_ready(self) -> None:
         """Refuse nets without a T-token step; allocate its buffers once."""
+        self._one_lane("the verify step")
         why = self.net.multi_unsupported()
         if why:
             raise FleError(why)
@@ -788,6 +1025,7 @@ class Engine:
         if self.launched + n > self.ctx_size:
             raise FleError(f"a verify step of {n} tokens at position {self.launched} runs past the context "
                            f"({self.ctx_size} positions)")
+        self._one_lane("the verify step")
         if n == 1:
             self._launch(toks[0])
             out = [self._consume()]
@@ -825,6 +1063,7 @@ class Engine:
         snapshots that step kept after each of its tokens (the kept tokens
         are not run again)."""
         n = int(n)
+        self._one_lane("rewind")
         why = self.net.multi_unsupported()
         if why:
             raise FleError(f"rewind: {why}")
@@ -868,6 +1107,7 @@ class Engine:
         each, so the sequence is left as it was (positions from the current
         one on are overwritten, as a later step would)."""
         n = int(n_tok)
+        self._one_lane("step_cost")
         if not 1 <= n <= VERIFY_MAX or self.launched + n > self.ctx_size:
             raise FleError(f"step_cost: {n} tokens at position {self.launched} (1 to {VERIFY_MAX}, within the "
                            f"context of {self.ctx_size})")
@@ -931,6 +1171,9 @@ class Engine:
         self._graph = None
         self._graphs = {}
         self._multi_graphs = {}
+        self._lane_graphs = {}
+        for rec in getattr(self, "_lanes", None) or ():
+            rec._graphs = {}
         if getattr(self, "split", None) is not None:
             torch.cuda.synchronize(self.device) if self.cuda else None
             self.split.close()

@@ -148,17 +148,23 @@ class Net:
         return n + W.unique_bytes(mats)
 
     # state and buffers ---------------------------------------------------------------
-    def kv_cache(self, ctx: int, dtype):
-        """One layer's K or V cache [Hkv, ctx, Dh]: a float tensor, or q8_0."""
+    def kv_cache(self, ctx: int, dtype, n_seq: int = 1):
+        """One layer's K or V cache [Hkv, ctx, Dh]: a float tensor, or q8_0;
+        for ``n_seq`` > 1 sequences (lanes) [n_seq, Hkv, ctx, Dh]."""
         a = self.args
         if dtype == "q8_0":
             from ..kernels.engine_ops import Q8Cache
 
-            return Q8Cache(a.n_head_kv, ctx, a.head_dim, self.device)
-        return torch.zeros(a.n_head_kv, ctx, a.head_dim, dtype=dtype, device=self.device)
+            return Q8Cache(a.n_head_kv, ctx, a.head_dim, self.device, lanes=n_seq if n_seq > 1 else 0)
+        lead = (n_seq,) if n_seq > 1 else ()
+        return torch.zeros(*lead, a.n_head_kv, ctx, a.head_dim, dtype=dtype, device=self.device)
 
-    def new_caches(self, ctx: int, k_dtype, v_dtype) -> list:
-        return [(self.kv_cache(ctx, k_dtype), self.kv_cache(ctx, v_dtype)) for _ in range(self.args.n_layer)]
+    def new_caches(self, ctx: int, k_dtype, v_dtype, n_seq: int = 1) -> list:
+        """Per layer the state of ``n_seq`` sequences of ``ctx`` positions:
+        with n_seq > 1 every tensor has a leading lane dimension (lane i's
+        state is element i of each, :func:`~fle_engine.kernels.engine_ops.lane_of`)."""
+        return [(self.kv_cache(ctx, k_dtype, n_seq), self.kv_cache(ctx, v_dtype, n_seq))
+                for _ in range(self.args.n_layer)]
 
     def reset(self, state) -> None:
         """A new sequence: attention caches are addressed by position, nothing to clear."""
@@ -437,6 +443,17 @@ class Net:
             return y
         return torch.cat([y, buf.shared[:, None]], 1)
 
+    # several sequences (lanes, runtime.Engine(n_seq=N)) ------------------------------------
+    def lanes_unsupported(self) -> "str | None":
+        """Why this net cannot hold several sequences at once, or None."""
+        return None
+
+    def lane_bufs(self, state, n_seq: int) -> "tuple[list, object]":
+        """(each lane's ``bufs``, the batched step's): the step's scratch is
+        shared by all; a net that keeps per-sequence state among its buffers
+        gives each lane its own."""
+        return [state.bufs] * n_seq, state.bufs
+
     # the verify step: T tokens in one pass -------------------------------------------
     def multi_unsupported(self) -> "str | None":
         """Why :meth:`step_multi` cannot run on this net, or None."""
@@ -454,11 +471,14 @@ class Net:
         """The recurrent state as it was after token ``t`` of the last
         :meth:`step_multi` (nothing to do here: a rewind moves the position)."""
 
-    def alloc_multi(self, state, t_max: int) -> None:
+    def alloc_multi(self, state, t_max: int, snapshots: bool = True) -> None:
         """Buffers of :meth:`step_multi` for up to ``t_max`` tokens (static
         addresses: a step of T tokens uses the first T rows), in
         ``state.multi``; ``state.toks`` int64 [t_max] the input tokens and
-        ``state.next_toks`` int64 [t_max] the greedy token after each."""
+        ``state.next_toks`` int64 [t_max] the greedy token after each.
+        ``snapshots``: room for the recurrent states after each token (what
+        a rewind of the verify step restores; a batched step of several
+        sequences needs none)."""
         a, dev = self.args, self.device
         hd, k = a.head_dim, a.n_expert_used
         f32 = dict(dtype=torch.float32, device=dev)
@@ -508,8 +528,10 @@ class Net:
                 w.matvec(xn, qkv[:, off:off + w.n_out], impl)
                 off += w.n_out
         kc, vc = state.kv[il][:2]
+        pos, lanes = self.rows_at(state, n)
         ops.qk_rope_kv_multi(qkv[:, :nq + 2 * nkv], at.q_norm, at.k_norm, a.eps, state.rope_cos, state.rope_sin,
-                             state.pos, a.n_head, a.n_head_kv, hd, a.n_rot, m.q[:n], kc, vc)
+                             pos, a.n_head, a.n_head_kv, hd, a.n_rot, m.q[:n], kc, vc,
+                             **({} if lanes is None else {"lanes": lanes}))
         self.attend_multi(at, il, state, ops, n)
         if at.gated:
             m.o[:n].mul_(torch.sigmoid(qkv[:, nq + 2 * nkv:2 * nq + 2 * nkv]))
@@ -520,8 +542,9 @@ class Net:
         token t seeing positions <= pos + t."""
         a, m = self.args, state.multi
         kc, vc = state.kv[il][:2]
-        ops.attention_multi(m.q[:n], kc, vc, state.pos, getattr(a, "attn_scale", a.head_dim ** -0.5), m.o[:n],
-                            m.partial, m.ml)
+        pos, lanes = self.rows_at(state, n)
+        ops.attention_multi(m.q[:n], kc, vc, pos, getattr(a, "attn_scale", a.head_dim ** -0.5), m.o[:n],
+                            m.partial, m.ml, **({} if lanes is None else {"lanes": lanes}))
 
     def mix_multi(self, L: Layer, il: int, state, ops, n: int) -> None:
         """The layer's token mixer for T tokens: m.xn [T, D] -> m.attn_out."""
@@ -571,6 +594,35 @@ class Net:
             for t in range(n):
                 ops.embed_row(self.tok_embd.data, self.tok_embd.qtype, state.toks[t:t + 1], x[t])
 
+    # the batched step of several sequences: step_multi on a state with ``rows`` ---------------
+    @staticmethod
+    def rows_at(state, n: int) -> "tuple[Tensor, Tensor | None]":
+        """(positions, lanes) of a T-row step: the verify step's (``state.pos``
+        [1], the first of T consecutive positions; None), or in a batched
+        step of several sequences (``state.rows``: the lane of each row) each
+        row's own position and lane, int64 [T] each."""
+        rows = getattr(state, "rows", None)
+        if rows is None:
+            return state.pos, None
+        return state.row_pos[:n], rows[:n]
+
+    @staticmethod
+    def begin_rows(state, n: int) -> None:
+        """A batched step: each row's position read from its lane's (``state.lane_pos`` [N])."""
+        rows = getattr(state, "rows", None)
+        if rows is not None:
+            torch.index_select(state.lane_pos, 0, rows[:n], out=state.row_pos[:n])
+
+    @staticmethod
+    def advance(state, n: int) -> None:
+        """The position after a T-row step: pos + T (verify step), or every
+        row's lane one further (batched step; the lanes of a step are distinct)."""
+        rows = getattr(state, "rows", None)
+        if rows is None:
+            state.pos.add_(n)
+        else:
+            state.lane_pos.index_copy_(0, rows[:n], state.row_pos[:n] + 1)
+
     def step_multi(self, state, ops, cache, n: int) -> None:
         """T = ``n`` tokens in one pass (:meth:`alloc_multi` first): reads
         ``state.toks[:n]`` and ``state.pos`` on the device, writes the K/V of
@@ -579,9 +631,18 @@ class Net:
         ``state.next_toks[:n]``, and advances pos by n. Token t's logits
         equal those of a one-token step at position pos + t fed the same
         tokens (up to the order of float sums). Every missed expert is read
-        by the GPU here (no CPU share, runtime.split)."""
+        by the GPU here (no CPU share, runtime.split).
+
+        The batched step of several sequences (lanes) is this step on a
+        state whose ``rows`` [T] names each row's lane: ``state.kv`` holds
+        the lanes' stacked caches, ``state.lane_pos`` [N] their positions;
+        row t is lane ``rows[t]``'s next token, at that lane's position, its
+        attention over that lane's cache only; the routed experts of all
+        rows as one union (each distinct expert read once); every row's lane
+        advances by one."""
         a, m = self.args, state.multi
         x, xn = m.x[:n], m.xn[:n]
+        self.begin_rows(state, n)
         self.embed_multi(state, ops, n)
         ops.add_rmsnorm(x, None, self.layers[0].attn_norm, a.eps, xn)
         for il, L in enumerate(self.layers):
@@ -592,4 +653,4 @@ class Net:
             ops.add_rmsnorm(x, self.multi_parts(L.moe, state, n), nxt, a.eps, xn)
         self.output.matvec(xn, m.logits[:n], self.impl(state))
         torch.argmax(m.logits[:n], dim=-1, out=state.next_toks[:n])
-        state.pos.add_(n)
+        self.advance(state, n)

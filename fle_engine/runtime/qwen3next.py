@@ -95,15 +95,16 @@ class Net(qwen3moe.Net):
                    norm=self.vec(p + "ssm_norm.weight", dk),
                    out=self.dense(p + "ssm_out.weight", a.n_embd, value_dim))
 
-    def new_caches(self, ctx: int, k_dtype, v_dtype) -> list:
+    def new_caches(self, ctx: int, k_dtype, v_dtype, n_seq: int = 1) -> list:
         a, dev = self.args, self.device
+        lead = (n_seq,) if n_seq > 1 else ()
         out = []
         for rec in a.recurrent[:a.n_layer]:
             if rec:
-                out.append((torch.zeros(a.conv_kernel - 1, a.conv_dim, dtype=torch.float32, device=dev),
-                            torch.zeros(a.n_v_heads, a.d_state, a.d_state, dtype=torch.float32, device=dev)))
+                out.append((torch.zeros(*lead, a.conv_kernel - 1, a.conv_dim, dtype=torch.float32, device=dev),
+                            torch.zeros(*lead, a.n_v_heads, a.d_state, a.d_state, dtype=torch.float32, device=dev)))
             else:
-                out.append((self.kv_cache(ctx, k_dtype), self.kv_cache(ctx, v_dtype)))
+                out.append((self.kv_cache(ctx, k_dtype, n_seq), self.kv_cache(ctx, v_dtype, n_seq)))
         return out
 
     def reset(self, state) -> None:
@@ -156,20 +157,28 @@ class Net(qwen3moe.Net):
             self.attention(L.mixer, il, state, ops)
 
     # the verify step: T tokens in one pass, the GDN state snapshotted after each ---------------
-    def alloc_multi(self, state, t_max: int) -> None:
+    def alloc_multi(self, state, t_max: int, snapshots: bool = True) -> None:
         """:meth:`qwen3moe.Net.alloc_multi`, plus the GDN projections of T
         tokens and, per GDN layer, the conv and delta-rule states after each
-        of the first T - 1 tokens (what a rewind restores)."""
-        super().alloc_multi(state, t_max)
+        of the first T - 1 tokens (what a rewind restores); without
+        ``snapshots`` (a batched step of several sequences) instead the
+        states of the T rows' lanes, gathered for the step."""
+        super().alloc_multi(state, t_max, snapshots)
         a, m = self.args, state.multi
         f32 = dict(dtype=torch.float32, device=self.device)
         c, nz, nv = a.conv_dim, a.n_v_heads * a.d_state, a.n_v_heads
         m.gproj = torch.zeros(t_max, c + nz + 2 * nv, **f32)
         m.gconv = torch.zeros(t_max, c, **f32)
         m.go = torch.zeros(t_max, nz, **f32)
-        m.snaps = {il: (torch.zeros(t_max - 1, *state.kv[il][0].shape, **f32),
-                        torch.zeros(t_max - 1, *state.kv[il][1].shape, **f32))
-                   for il, rec in enumerate(a.recurrent[:a.n_layer]) if rec}
+        conv_shape = (a.conv_kernel - 1, a.conv_dim)
+        ssm_shape = (a.n_v_heads, a.d_state, a.d_state)
+        m.snaps = {}
+        if snapshots:
+            m.snaps = {il: (torch.zeros(t_max - 1, *conv_shape, **f32), torch.zeros(t_max - 1, *ssm_shape, **f32))
+                       for il, rec in enumerate(a.recurrent[:a.n_layer]) if rec}
+        else:
+            m.row_conv = torch.zeros(t_max, *conv_shape, **f32)
+            m.row_ssm = torch.zeros(t_max, *ssm_shape, **f32)
 
     def mix_multi(self, L: qwen3moe.Layer, il: int, state, ops, n: int) -> None:
         if isinstance(L.mixer, GDN):
@@ -180,21 +189,33 @@ class Net(qwen3moe.Net):
     def gdn_multi(self, g: GDN, il: int, state, ops, n: int) -> None:
         """T tokens of a GDN layer: the projections of all of them at once,
         then the decode step's op (``gdn_step``) token by token, the states
-        after each of the first T - 1 copied into the layer's snapshots."""
+        after each of the first T - 1 copied into the layer's snapshots. In a
+        batched step of several sequences (``state.rows``) row t runs on its
+        own lane's states instead (gathered from the lane-stacked states
+        before, written back after; no snapshots)."""
         a, m = self.args, state.multi
         impl = self.impl(state)
         c, nz, nv = a.conv_dim, a.n_v_heads * a.d_state, a.n_v_heads
         self.gdn_project(g, m.xn[:n], m.gproj[:n], impl)
         conv_state, ssm = state.kv[il]
-        snap_conv, snap_ssm = m.snaps[il]
+        lanes = self.rows_at(state, n)[1]
+        if lanes is not None:
+            torch.index_select(conv_state, 0, lanes, out=m.row_conv[:n])
+            torch.index_select(ssm, 0, lanes, out=m.row_ssm[:n])
+        else:
+            snap_conv, snap_ssm = m.snaps[il]
         for t in range(n):
             row = m.gproj[t]
-            ops.gdn_step(row[:c], row[c:c + nz], row[c + nz:c + nz + nv], row[c + nz + nv:], conv_state, g.conv,
-                         g.dt_bias, g.ssm_a, ssm, g.norm, a.eps, a.n_k_heads, self.gdn_tiled, self.gdn_sigmoid,
+            cs, ss = (conv_state, ssm) if lanes is None else (m.row_conv[t], m.row_ssm[t])
+            ops.gdn_step(row[:c], row[c:c + nz], row[c + nz:c + nz + nv], row[c + nz + nv:], cs, g.conv,
+                         g.dt_bias, g.ssm_a, ss, g.norm, a.eps, a.n_k_heads, self.gdn_tiled, self.gdn_sigmoid,
                          m.gconv[t], m.go[t])
-            if t < n - 1:
+            if lanes is None and t < n - 1:
                 snap_conv[t].copy_(conv_state)
                 snap_ssm[t].copy_(ssm)
+        if lanes is not None:
+            conv_state.index_copy_(0, lanes, m.row_conv[:n])
+            ssm.index_copy_(0, lanes, m.row_ssm[:n])
         g.out.matvec(m.go[:n], m.attn_out[:n].view(n, -1), impl)
 
     def restore_multi(self, state, t: int) -> None:

@@ -226,17 +226,18 @@ class Net(qwen3next.Net):
         return W.unique_bytes(found)
 
     # state and buffers ---------------------------------------------------------------
-    def new_caches(self, ctx: int, k_dtype, v_dtype) -> list:
+    def new_caches(self, ctx: int, k_dtype, v_dtype, n_seq: int = 1) -> list:
         a, dev = self.args, self.device
-        out = super().new_caches(ctx, k_dtype, v_dtype)
+        out = super().new_caches(ctx, k_dtype, v_dtype, n_seq)
+        lead = (n_seq,) if n_seq > 1 else ()
         for il in range(a.n_layer):
             r = a.compress[il]
             if r and not a.recurrent[il]:
                 n_blk = -(-ctx // r)
                 # raw indexer keys per position, and the pooled block keys
                 raw_dt = torch.float16 if k_dtype == "q8_0" else k_dtype     # indexer keys stay float
-                out[il] = out[il] + (torch.zeros(n_blk * r, a.idx_dim, dtype=raw_dt, device=dev),
-                                     torch.zeros(n_blk, a.idx_dim, dtype=torch.float32, device=dev))
+                out[il] = out[il] + (torch.zeros(*lead, n_blk * r, a.idx_dim, dtype=raw_dt, device=dev),
+                                     torch.zeros(*lead, n_blk, a.idx_dim, dtype=torch.float32, device=dev))
         return out
 
     # length buckets of the indexer (module docstring) ------------------------------------
@@ -301,6 +302,9 @@ class Net(qwen3next.Net):
             b.ple_rows = torch.zeros(a.ple_heads, dtype=torch.int64, device=self.device)
             b.ple_emb = torch.zeros(1, d, **f32)
             b.ple_kv = torch.zeros(1, s * d + d, **f32)
+
+    def lanes_unsupported(self) -> "str | None":
+        return "qwen4exp's batched step of several sequences is not built yet"
 
     # hyper-connections -----------------------------------------------------------------
     def hc_read(self, hc: HC, state, ops) -> None:
@@ -445,12 +449,12 @@ class Net(qwen3next.Net):
     # The indexer scores every block of the allocated context here (no length buckets: the step
     # does not know the position on the host): the same choice, at a cost that follows the
     # allocated context rather than the used length.
-    def alloc_multi(self, state, t_max: int) -> None:
+    def alloc_multi(self, state, t_max: int, snapshots: bool = True) -> None:
         """qwen3next's buffers plus the T rows of the streams and the HC
         reads, the indexer's rows and block masks, and the PLE rows; the PLE
         token history and conv history followed by the step's T tokens and
         values (``ple_seq``, ``ple_full``: what a rewind restores from)."""
-        super().alloc_multi(state, t_max)
+        super().alloc_multi(state, t_max, snapshots)
         a, m, b = self.args, state.multi, state.bufs
         f32 = dict(dtype=torch.float32, device=self.device)
         s, d = a.hc, a.n_embd

@@ -100,8 +100,10 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
     if runtime is not None:
         from ..runtime import Engine as Runtime
 
+        # the slots are the engine's lanes, decoded in batched steps (MTP drafts one sequence)
+        n_seq = 1 if (mtp or mtp_head) else n_parallel
         model = Runtime(model_path, device=device, ctx_size=n_ctx, log=lambda m: print(m, file=log, flush=True),
-                        **runtime)
+                        n_seq=n_seq, **runtime)
     else:
         model = load(model_path, device=device)
     if tok.n_vocab > model.n_vocab:

@@ -187,7 +187,7 @@ def _options(body: dict, engine: Engine, n_prompt: int, kind: str = "completion"
     bias = _logit_bias(body, engine)
     if not engine.stepped:
         used = [name for name, on in (("logit_bias", bias), ("logprobs", want_probs), ("repeat_penalty", pen.active),
-                                      ("id_slot", id_slot >= 0)) if on]
+                                      ("id_slot", id_slot >= 0 and not engine.lanes)) if on]
         if used:
             raise ApiError(f"Field '{used[0]}': not supported with MTP drafts or the GPU engine; serve on the "
                            "reference path (--device cpu, no --mtp) for it")

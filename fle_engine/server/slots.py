@@ -17,8 +17,12 @@ sequences go through the model in one batched forward
 and recurrent states (GDN, qwen4exp's indexer keys and PLE history) are
 rows of one buffer per layer, so that a round of one token per slot
 attends (and runs the delta rule) for all slots at once instead of once
-per slot. With MTP drafts or the GPU engine, each slot runs its own token
-generator; the GPU engine serves one slot at a time.
+per slot. On the GPU engine holding one lane per slot
+(``runtime.Engine(n_seq=N)``) a slot's prompt runs on its lane and each
+round is one batched decode step of every slot with a token to feed
+(``step_lanes``), sampled per slot on the host. With MTP drafts, or an
+engine of one sequence, each slot runs its own token generator, one slot
+at a time on the engine.
 
 A protected slot (``--cache-protect-slot``) keeps the conversation of the
 requests naming it in the RAM prompt cache: its entries are evicted only by
@@ -221,10 +225,18 @@ class Engine:
         self.n_parallel = n_parallel
         self.created = int(time.time())
         self.runtime = bool(getattr(model, "runtime", False))
-        # the GPU engine holds one sequence of the whole context; the reference path splits it
-        self.n_ctx_slot = n_ctx if self.runtime else n_ctx // n_parallel
-        # the reference path steps the slots itself; MTP and the GPU engine run token generators
+        # the GPU engine with a lane per slot (runtime.Engine(n_seq=N)): the slots run at once, one batched
+        # decode step per round
+        self.lanes = self.runtime and not mtp and int(getattr(model, "n_seq", 1)) > 1
+        if self.lanes and model.n_seq != n_parallel:
+            raise FleError(f"the engine holds {model.n_seq} sequences for {n_parallel} slots")
+        # an engine of one sequence holds the whole context; the reference path and the lanes split it
+        self.n_ctx_slot = n_ctx if self.runtime and not self.lanes else n_ctx // n_parallel
+        if self.lanes:
+            self.n_ctx_slot = int(model.ctx_size)
+        # the reference path steps the slots itself; MTP and an engine of one sequence run token generators
         self.stepped = not (mtp or self.runtime)
+        self._host_rounds = self.stepped or self.lanes      # rounds of the scheduler's own, sampled on the host
         self.cache = C.PromptCache(int(cache_ram_mib * 2**20) if self.stepped else 0)
         # slots whose conversations (the requests naming them) the other slots' traffic cannot push out of the
         # prompt cache; unnamed requests take them only when no other slot is idle
@@ -369,7 +381,7 @@ class Engine:
         if task.action is not None:
             s = self.slots[task.action[1]]
             return None if s.busy else s
-        if self.runtime and any(s.busy for s in self.slots):
+        if self.runtime and not self.lanes and any(s.busy for s in self.slots):
             return None             # the GPU engine holds one sequence
         if task.job.id_slot >= 0:
             s = self.slots[task.job.id_slot]
@@ -390,6 +402,9 @@ class Engine:
     def _choose(self, free: list[Slot], job: Job) -> Slot:
         """The idle slot serving most of the prompt; on a tie one that is not
         protected, then the least recently used."""
+        if self.lanes and job.cache_prompt:     # the lane keeping most of the prompt
+            return max(free, key=lambda s: (self.model.lane_reuse(s.id, job.prompt), s.id not in self.protect,
+                                            -s.t_last))
         if not job.cache_prompt or not self.stepped:
             return min(free, key=lambda s: (s.id in self.protect, s.t_last))
         ct = self._can_truncate()
@@ -527,6 +542,11 @@ class Engine:
     def _begin(self, slot: Slot, task: _Task) -> None:
         job = self._attach(slot, task)
         eog = self.tok.eog_ids
+        if self.lanes:                   # the prompt runs on the slot's lane in the next round
+            task.pos = 0
+            slot.cacheable = job.cache_prompt
+            task.history = list(job.prompt)
+            return
         if not self.stepped:
             stop = () if job.ignore_eos else eog
             if self.mtp:
@@ -583,6 +603,9 @@ class Engine:
             if s.task.cancel.is_set() or self._stopping:
                 self._finish(s, "abort" if self._stopping else "stop", cancelled=True)
         active = [s for s in active if s.task is not None]
+        if self.lanes:
+            self._round_lanes(active)
+            return
         if not self.stepped:
             for s in active:
                 self._step_generator(s)
@@ -621,6 +644,28 @@ class Engine:
             if last:
                 self._share_prompt(s)
                 self._sample(s, s.logits)
+
+    def _round_lanes(self, active: list[Slot]) -> None:
+        """A round on the engine's lanes (slot i = lane i): a slot's new
+        prompt runs on its lane (prefill, or one-token steps; what the lane
+        already holds of it is kept), then one batched step of one token
+        for every slot that has one to feed."""
+        for s in active:
+            t = s.task
+            if t.pos < len(t.job.prompt):
+                logits, t.n_cached = self.model.lane_prompt(s.id, t.job.prompt, cache_prompt=t.job.cache_prompt)
+                t.pos = len(t.job.prompt)
+                s.tokens, s.logits = list(t.job.prompt), None
+                self._sample(s, logits)
+        feed = [s for s in active if s.task is not None and s.task.next_token is not None]
+        if not feed:
+            return
+        toks = [s.task.next_token for s in feed]
+        outs = self.model.step_lanes([s.id for s in feed], toks)
+        for s, tok, out in zip(feed, toks, outs):
+            s.tokens.append(tok)
+            s.task.next_token = None
+            self._sample(s, out)
 
     def _adjusted(self, t: _Task, logits) -> np.ndarray:
         x = logits.detach().float().cpu().numpy().reshape(-1).copy() if isinstance(logits, torch.Tensor) \
@@ -688,9 +733,9 @@ class Engine:
             self._finish(s, "stop")
         elif len(t.out_tokens) >= job.n_predict:
             self._finish(s, "length")
-        elif self.stepped and len(s.tokens) + 1 > s.n_ctx:
+        elif self._host_rounds and len(s.tokens) + 1 > s.n_ctx:
             self._finish(s, "length")
-        elif self.stepped:
+        elif self._host_rounds:
             t.next_token = tok
 
     def _release(self, t: _Task, text: str) -> None:
@@ -739,13 +784,13 @@ class Engine:
         t_end = time.perf_counter()
         t_first = t_end if t.t_first is None else t.t_first
         job = t.job
-        if self.runtime:
+        if self.runtime and not self.lanes:
             t.n_cached = int(getattr(self.model, "cached_tokens", 0))
         res = Result("".join(t.pieces), reason, len(job.prompt), len(t.out_tokens), cancelled, t.scan.stop_word,
                      prompt_ms=1e3 * (t_first - t.t0), predicted_ms=1e3 * (t_end - t_first),
                      drafted=t.spec.drafted if t.spec else 0, accepted=t.spec.accepted if t.spec else 0,
                      n_cached=t.n_cached, id_slot=s.id, probs=t.probs, tokens=list(t.out_tokens))
-        if not self.stepped:
+        if not self._host_rounds:
             s.tokens, s.logits = [], None
         s.task = None
         s.t_last = time.monotonic()
@@ -773,6 +818,11 @@ class Engine:
         t = s.task
         s.task = None
         s.state, s.tokens, s.logits = None, [], None    # its state is not trustworthy now
+        if self.lanes:
+            try:
+                self.model.lane_reset(s.id)
+            except Exception:  # noqa: BLE001 - the lane starts afresh at its next prompt anyway
+                pass
         if t is not None and not t.future.done():
             t.future.set_exception(e)
 
@@ -805,6 +855,8 @@ class Engine:
         if action == "erase":
             n = len(s.tokens)
             s.state, s.tokens, s.logits, s.protected = None, [], None, False
+            if self.lanes:
+                self.model.lane_reset(sid)
             return {"id_slot": sid, "n_erased": n}
         if not self.stepped:
             raise FleError("slot save and restore run on the reference path without MTP")

@@ -1,0 +1,465 @@
+"""Several sequences on the engine: ``Engine(..., n_seq=N)`` lanes decoded in
+batched steps, and the server's slots on them.
+
+On the CPU (reference operations) and with CUDA (compiled kernels, one
+graph per batch size), lanes with different prompts, joining and leaving at
+different times, give per lane the greedy tokens of that prompt decoded
+alone by the one-sequence engine and its logits within ``TOL`` of the
+largest logit; a step reads each distinct routed expert of its rows once;
+a step whose rows all attend to lane 0's cache is caught. The rows-mode
+kernels (each row at its own position of its own lane's cache) are held to
+their references in Triton's interpreter without CUDA.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fle_engine.kernels import engine_ops  # noqa: E402
+from fle_engine.runtime import Engine  # noqa: E402
+from fle_quant.errors import FleError  # noqa: E402
+from fle_quant.synth import make_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("exact_float32", "one_torch_thread")
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+ARCHS = ["qwen3moe", "qwen3next"]
+# logits of a lane against the one-sequence engine, relative to the largest |logit|: the batched products sum in
+# another order than one-row ones
+TOL = 1e-3 if CUDA else 1e-4
+# prompts of unequal lengths: the third is long enough for prefill (prefill_min 8), the others run as steps
+PROMPTS = [[1, 17, 42, 99, 5, 7], [3, 4, 8], [10 + (i * 37) % 300 for i in range(21)]]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lanes")
+    return {arch: make_model(d / f"{arch}.gguf", arch, seed=3 + i, mix="release", routing_skew=1.0)
+            for i, arch in enumerate(ARCHS)}
+
+
+def _engine(path, ctx=64, **kw):
+    return Engine(path, device=DEVICE, cache_budget=kw.pop("budget", 0), ctx_size=ctx, cache_type_k="f32",
+                  cache_type_v="f32", profile_path="none", progress=False, log=lambda m: None, prefill_min=8, **kw)
+
+
+def _close(a, b, tol=TOL):
+    scale = float(b.abs().max()) or 1.0
+    assert float((a - b).abs().max()) <= tol * scale, float((a - b).abs().max()) / scale
+
+
+def _alone(path, prompt, n):
+    """Greedy tokens of ``prompt`` decoded alone by the one-sequence engine,
+    and the logits that chose each [n, V]."""
+    eng = _engine(path)
+    logits = []
+
+    def greedy(x):
+        logits.append(torch.from_numpy(np.array(x, np.float32, copy=True)))
+        return int(np.argmax(x))
+
+    toks = list(eng.tokens(prompt, n, sampler=greedy))
+    eng.close()
+    return toks, torch.stack(logits)
+
+
+def _run_lanes(eng, schedule, n_steps):
+    """Greedy decoding on the lanes: ``schedule`` lane -> (prompt, the
+    batched step before which it joins, its token count). Returns per lane
+    (tokens, logits [n, V])."""
+    toks, logits = {}, {}
+    for step in range(n_steps):
+        for lane, (prompt, join, _) in schedule.items():
+            if join == step:
+                lg, _ = eng.lane_prompt(lane, prompt)
+                toks[lane], logits[lane] = [int(lg.argmax())], [lg]
+        rows = [lane for lane in toks if len(toks[lane]) < schedule[lane][2]]
+        if not rows:
+            continue
+        out = eng.step_lanes(rows, [toks[lane][-1] for lane in rows])
+        for j, lane in enumerate(rows):
+            toks[lane].append(int(out[j].argmax()))
+            logits[lane].append(out[j])
+    return {lane: (toks[lane], torch.stack(logits[lane])) for lane in toks}
+
+
+# lane 0 and 1 from the start, lane 1 done early, lane 2 (a prefilled prompt) joining at step 2
+SCHEDULE = {0: (PROMPTS[0], 0, 8), 1: (PROMPTS[1], 0, 4), 2: (PROMPTS[2], 2, 6)}
+
+
+def _check_lanes(path):
+    eng = _engine(path, ctx=3 * 64, n_seq=3)
+    assert eng.ctx_size == 64
+    got = _run_lanes(eng, SCHEDULE, 10)
+    eng.close()
+    for lane, (prompt, _, n) in SCHEDULE.items():
+        want, want_logits = _alone(path, prompt, n)
+        assert got[lane][0] == want, lane
+        _close(got[lane][1], want_logits)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lanes_equal_each_prompt_alone(files, arch):
+    """Three lanes at different lengths, one finishing early and one joining
+    later (its prompt prefilled while the others hold their state): each
+    lane's greedy tokens and logits are those of its prompt alone."""
+    _check_lanes(files[arch])
+
+
+def test_rows_attending_to_lane_0_are_caught(files, monkeypatch):
+    """A batched step whose rows all read lane 0's cache fails the check above."""
+    ops = engine_ops.REFERENCE if not CUDA else engine_ops.pick("triton", DEVICE)
+    real = ops.attention_multi
+
+    def lane_0(*a, lanes=None, **kw):
+        if lanes is not None:
+            lanes = torch.zeros_like(lanes)
+        return real(*a, lanes=lanes, **kw)
+
+    monkeypatch.setattr(ops, "attention_multi", lane_0)
+    with pytest.raises(AssertionError):
+        _check_lanes(files["qwen3moe"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_step_reads_each_expert_once(files, arch, monkeypatch):
+    """The step's routed experts are one union over all its rows: per layer
+    and product, the ids of B x K rows, each distinct expert read by one row
+    (the union's ``reads`` flags); rows share experts here, so fewer reads
+    than rows; the cache policy sees all B x K ids of every layer as one step."""
+    if CUDA:
+        pytest.skip("the eager reference step is inspected (the CUDA step is a graph)")
+    calls = []
+    real = engine_ops.REFERENCE.experts_union
+
+    def record(*a, **kw):
+        ids = a[8]
+        reads = torch.zeros(ids.numel(), dtype=torch.int32)
+        real(*a, **{**kw, "reads": reads})
+        calls.append((ids.clone(), reads))
+
+    eng = _engine(files[arch], ctx=3 * 64, n_seq=3)
+    for lane, p in enumerate(PROMPTS):
+        eng.lane_prompt(lane, p)
+    a = eng.args
+    req0, steps0 = eng.cache.stats.requests, eng.cache.stats.steps
+    monkeypatch.setattr(engine_ops.REFERENCE, "experts_union", record)
+    eng.step_lanes([2, 0, 1], [5, 6, 7])
+    monkeypatch.undo()
+    assert len(calls) == 2 * a.n_layer                    # gate+up and down of every layer
+    shared = 0
+    for ids, reads in calls:
+        assert ids.numel() == 3 * a.n_expert_used
+        assert int(reads.sum()) == len(set(ids.tolist()))
+        shared += ids.numel() - int(reads.sum())
+    assert shared > 0
+    assert eng.cache.stats.steps == steps0 + 1
+    assert eng.cache.stats.requests == req0 + a.n_layer * 3 * a.n_expert_used
+    eng.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lane_keeps_its_sequence_between_prompts(files, arch):
+    """A follow-up prompt on a lane (its last prompt, the answer, new tokens)
+    computes only the new tokens and continues as a fresh run of the whole
+    prompt; another lane's sequence is untouched by it."""
+    path = files[arch]
+    eng = _engine(path, ctx=2 * 64, n_seq=2)
+    got = _run_lanes(eng, {0: (PROMPTS[0], 0, 4), 1: (PROMPTS[1], 0, 4)}, 4)
+    follow = PROMPTS[0] + got[0][0][:-1] + [11, 12, 13]
+    lg, kept = eng.lane_prompt(0, follow)
+    assert kept == len(PROMPTS[0]) + 3
+    want, want_logits = _alone(path, follow, 1)
+    assert int(lg.argmax()) == want[0]
+    _close(lg[None], want_logits)
+    # lane 1 continues its own sequence
+    out = eng.step_lanes([1], [got[1][0][-1]])
+    more, _ = _alone(path, PROMPTS[1], 5)
+    assert int(out[0].argmax()) == more[4]
+    eng.close()
+
+
+def test_lane_options_and_refusals(files):
+    path = files["qwen3moe"]
+    eng = _engine(path, ctx=100, n_seq=3)
+    assert eng.n_seq == 3 and eng.ctx_size == 33
+    eng.lane_prompt(1, [1, 2, 3])
+    with pytest.raises(FleError, match="distinct lanes"):
+        eng.step_lanes([1, 1], [4, 5])
+    with pytest.raises(FleError, match="distinct lanes"):
+        eng.step_lanes([3], [4])
+    with pytest.raises(FleError, match="one sequence"):
+        eng.verify_step([4, 5])
+    with pytest.raises(FleError, match="one sequence"):
+        eng.rewind(1)
+    eng.lane_reset(1)
+    assert eng.lane_reuse(1, [1, 2, 3]) == 0
+    eng.close()
+    with pytest.raises(FleError, match="MTP"):
+        _engine(path, n_seq=2, mtp=True)
+    one = _engine(path)
+    with pytest.raises(FleError, match="several sequences"):
+        one.step_lanes([0], [1])
+    one.close()
+
+
+# ---------------------------------------------------------------------------
+# the rows-mode kernels against their references (Triton's interpreter without CUDA)
+
+
+@pytest.fixture(scope="module")
+def fast():
+    pytest.importorskip("triton")
+    return engine_ops.pick("triton", DEVICE)
+
+
+@pytest.mark.parametrize("kv", ["f32", "q8_0"])
+def test_rows_kernels_write_and_read_their_own_lane(fast, kv):
+    """Rows of a batched step: row t's k and v written at its own position
+    of its own lane's cache, and its attention over that lane's positions
+    0 .. pos[t] only; the fast kernels equal the references (one-token
+    calls on each lane's cache)."""
+    from fle_engine.kernels.triton_engine import attn_scratch
+    from fle_engine.layers import rope_table
+
+    n_lanes, n_head, n_kv, dh, n_pos, n_rot = 3, 8, 2, 64, 40, 32
+    cos, sin = (torch.from_numpy(t) for t in rope_table(n_rot, 10000.0, n_pos))
+    gen = torch.Generator().manual_seed(5)
+    qn, kn = torch.rand(dh, generator=gen) + 0.5, torch.rand(dh, generator=gen) + 0.5
+    k0, v0 = (torch.randn(n_lanes, n_kv, n_pos, dh, generator=gen) for _ in range(2))
+    width = (n_head + 2 * n_kv) * dh
+    for lanes, pos in (([2, 0], [5, 17]), ([1, 2, 0], [0, 39, 3])):
+        n = len(lanes)
+        qkv = torch.randn(n, width + 32, generator=gen)
+        res = []
+        for ops, dev in ((engine_ops.REFERENCE, torch.device("cpu")), (fast, DEVICE)):
+            if kv == "q8_0":
+                kc, vc = (engine_ops.Q8Cache(n_kv, n_pos, dh, dev, lanes=n_lanes) for _ in range(2))
+            else:
+                kc, vc = k0.clone().to(dev), v0.clone().to(dev)
+            q = torch.zeros(n, n_head * dh, device=dev)
+            o = torch.zeros(n, n_head * dh, device=dev)
+            partial, ml = attn_scratch(n_kv, n_head, dh, dev, n_tok=n)
+            p, ln = torch.tensor(pos, device=dev), torch.tensor(lanes, device=dev)
+            ops.qk_rope_kv_multi(qkv.to(dev), qn.to(dev), kn.to(dev), 1e-6, cos.to(dev), sin.to(dev), p, n_head,
+                                 n_kv, dh, n_rot, q, kc, vc, lanes=ln)
+            ops.attention_multi(q, kc, vc, p, dh ** -0.5, o, partial, ml, lanes=ln)
+            cached = [(c.q.cpu(), c.d.cpu()) if kv == "q8_0" else (c.cpu(),) for c in (kc, vc)]
+            res.append((q.cpu(), o.cpu(), cached))
+        (q0, o0, c0), (q1, o1, c1) = res
+        _close(q1, q0, 1e-5)
+        _close(o1, o0, 1e-5)
+        for a, b in zip(c0, c1):
+            for ta, tb in zip(a, b):
+                assert torch.equal(ta, tb) if kv == "q8_0" else float((ta - tb).abs().max()) < 1e-5
+        # a row reads its own lane: the same query over lane 0 gives another answer
+        if kv == "f32":
+            o_wrong = torch.zeros_like(o0)
+            engine_ops.REFERENCE.attention_multi(q0, c0[0][0], c1[1][0], torch.tensor(pos), dh ** -0.5, o_wrong,
+                                                 lanes=torch.zeros(n, dtype=torch.int64))
+            assert not torch.allclose(o_wrong, o0)
+
+
+# ---------------------------------------------------------------------------
+# the captured graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lane_graphs_captured_and_equal_to_eager(files, arch):
+    """With CUDA every batch size gets its own graph (captured on first use),
+    whose tokens and logits equal the eager step's; each lane's one-token
+    steps replay that lane's own graph."""
+    path = files[arch]
+    eng, eager = _engine(path, ctx=3 * 64, n_seq=3), _engine(path, ctx=3 * 64, n_seq=3, graphs=False)
+    assert eng._graph is not None and eager._graph is None
+    got = [_run_lanes(e, SCHEDULE, 10) for e in (eng, eager)]
+    for lane in SCHEDULE:
+        assert got[0][lane][0] == got[1][lane][0]
+        _close(got[0][lane][1], got[1][lane][1], 1e-4)
+    assert sorted(eng._lane_graphs) == [1, 2, 3]
+    eng.close()
+    eager.close()
+
+
+# ---------------------------------------------------------------------------
+# the server's slots on the lanes
+
+
+def _serve(path, n_par, ctx_slot=96):
+    from fle_engine.server import Engine as Server
+    from fle_engine.tokenizer import Tokenizer
+
+    rt = Engine(path, device=DEVICE, cache_budget="auto", ctx_size=ctx_slot * n_par, cache_type_k="f32",
+                cache_type_v="f32", profile_path="none", progress=False, log=lambda m: None, prefill_min=8,
+                n_seq=n_par)
+    srv = Server(rt, Tokenizer.from_gguf(path), n_ctx=ctx_slot * n_par, name="t", n_parallel=n_par)
+    return srv, rt
+
+
+def _call(srv, fn):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from fle_engine.server import create_app
+
+    async def main():
+        async with TestClient(TestServer(create_app(srv))) as client:
+            return await fn(client)
+    try:
+        return asyncio.run(main())
+    finally:
+        srv.stop()
+
+
+# no ignore_eos: host-sampled rounds ban the end-of-generation tokens then (llama-server's rule), where the
+# one-sequence engine's token generator only does not stop at them
+BODIES = [{"prompt": "the river and the mountain", "max_tokens": 16, "temperature": 0},
+          {"prompt": "a quiet town by the sea and the long road home, far away", "max_tokens": 12,
+           "temperature": 0.8, "seed": 7},
+          {"prompt": "stone lamp cloud", "max_tokens": 14, "temperature": 0.7, "seed": 3, "top_k": 20}]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_server_slots_at_once_answer_as_one_at_a_time(files, arch):
+    """At --parallel 2 on the engine, requests sent together (greedy and
+    seeded sampling, prompts of unequal lengths) run on both slots at once,
+    in batched rounds, and answer as the same requests one at a time, and as
+    an engine of one sequence serving them."""
+    pytest.importorskip("aiohttp")
+    path = files[arch]
+    srv, rt = _serve(path, 2)
+    assert srv.lanes and srv.n_ctx_slot == 96
+
+    async def together(client):
+        tasks = [asyncio.create_task(client.post("/v1/completions", json=b)) for b in BODIES]
+        busy = 0
+        while not all(t.done() for t in tasks):
+            s = await (await client.get("/slots")).json()
+            busy = max(busy, sum(x["is_processing"] for x in s))
+            await asyncio.sleep(0.005)
+        out = [await (await t).json() for t in tasks]
+        return busy, [o["choices"][0]["text"] for o in out], sum(o["usage"]["completion_tokens"] for o in out)
+
+    async def one_by_one(client):
+        return [(await (await client.post("/v1/completions", json=b)).json())["choices"][0]["text"] for b in BODIES]
+
+    rounds = srv.n_rounds
+    busy, at_once, n_tokens = _call(srv, together)
+    assert busy == 2
+    assert srv.n_rounds - rounds < n_tokens              # rounds of two tokens
+    assert _call(srv, one_by_one) == at_once
+    rt.close()
+    single, rt1 = _serve(path, 1)
+    assert not single.lanes
+    assert _call(single, one_by_one) == at_once
+    rt1.close()
+
+
+def test_server_busy_slot_waits_and_is_not_disturbed(files):
+    """A long answer runs on slot 0; a request naming slot 0 waits until it
+    ends and leaves it alone (the long answer as when it runs alone), while
+    a request naming no slot runs beside it on slot 1."""
+    pytest.importorskip("aiohttp")
+    path = files["qwen3moe"]
+    long_body = {"prompt": "the red fox jumps over the lazy dog", "n_predict": 30, "temperature": 0,
+                 "ignore_eos": True, "id_slot": 0}
+    named = {"prompt": "seven blue whales sing in the deep cold sea", "n_predict": 5, "temperature": 0,
+             "ignore_eos": True, "id_slot": 0}
+    free = {"prompt": "one two three", "n_predict": 5, "temperature": 0, "ignore_eos": True}
+    srv, rt = _serve(path, 2)
+
+    async def fn(client):
+        alone = [await (await client.post("/completion", json=b)).json() for b in (long_body, named, free)]
+        done = []
+
+        async def req(body, tag):
+            j = await (await client.post("/completion", json=body)).json()
+            done.append(tag)
+            return j
+
+        a = asyncio.create_task(req(long_body, "long"))
+        while not srv.slots[0].busy:
+            await asyncio.sleep(0.002)
+        b = asyncio.create_task(req(named, "named"))
+        c = asyncio.create_task(req(free, "free"))
+        return alone, [await a, await b, await c], done
+
+    alone, got, done = _call(srv, fn)
+    assert [g["content"] for g in got] == [a["content"] for a in alone]
+    assert got[0]["tokens_predicted"] == 30 and [g["id_slot"] for g in got] == [0, 0, 1]
+    assert done.index("long") < done.index("named")
+    assert done.index("free") < done.index("long")          # slot 1 ran beside the long answer
+    rt.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_server_follow_up_turn_reuses_its_slot(files, arch):
+    """A follow-up turn on a slot (its prompt, the answer but its last
+    token, a new message) computes only the new tokens, named by id_slot or
+    not (the slot holding the prefix is chosen), while another slot's turn
+    ran in between; it answers as a fresh run (cache_prompt false)."""
+    pytest.importorskip("aiohttp")
+    path = files[arch]
+    srv, rt = _serve(path, 2)
+    first = [10 + (i * 7919) % 400 for i in range(30)]
+    other = [20 + (i * 131) % 300 for i in range(25)]
+
+    async def fn(client):
+        opts = {"n_predict": 5, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+        r1 = await (await client.post("/completion", json={"prompt": first, "id_slot": 1, **opts})).json()
+        await client.post("/completion", json={"prompt": other, "id_slot": 0, **opts})
+        follow = first + r1["tokens"][:-1] + [11, 12, 13, 14]
+        r2 = await (await client.post("/completion", json={"prompt": follow, **opts})).json()
+        follow2 = follow + r2["tokens"][:-1] + [15, 16]
+        r3 = await (await client.post("/completion", json={"prompt": follow2, "id_slot": 1, **opts})).json()
+        r4 = await (await client.post("/completion", json={"prompt": follow2, "cache_prompt": False, **opts})).json()
+        return follow, r2, follow2, r3, r4
+
+    follow, r2, follow2, r3, r4 = _call(srv, fn)
+    assert r2["id_slot"] == 1 and r2["timings"]["cache_n"] == len(first) + 4 and r2["timings"]["prompt_n"] == 4
+    assert r3["timings"]["cache_n"] == len(follow) + 4 and r3["timings"]["prompt_n"] == 2
+    assert r4["timings"]["cache_n"] == 0 and r4["content"] == r3["content"]
+    rt.close()
+
+
+def test_server_cancel_and_stop_strings_on_lanes(files):
+    """A cancelled request ends (cancelled) without disturbing the other
+    slot's answer; a stop string ends an answer there."""
+    import threading
+
+    from fle_engine.sampling import SamplerParams
+    from fle_engine.server.slots import Job
+
+    path = files["qwen3moe"]
+    srv, rt = _serve(path, 2)
+    tok = srv.tok
+    ids_a = tok.encode("canary alpha: the red fox", add_special=True, parse_special=True)
+    ids_b = tok.encode("canary bravo: seven whales", add_special=True, parse_special=True)
+    greedy = SamplerParams(temp=0.0, seed=0)
+    want_b = srv.run(Job(ids_b, 20, greedy), threading.Event(), None)
+    cancel = threading.Event()
+    seen = []
+
+    def emit(text, probs):
+        seen.append(text)
+        if len(seen) == 3:
+            cancel.set()
+
+    fa = srv.submit(Job(ids_a, 60, greedy), cancel, emit)
+    fb = srv.submit(Job(ids_b, 20, greedy), threading.Event(), None)
+    ra, rb = fa.result(timeout=600), fb.result(timeout=600)
+    assert ra.cancelled and ra.n_generated < 60
+    assert rb.text == want_b.text and not rb.cancelled
+    stop = want_b.text[len(want_b.text) // 2:][:3]
+    rs = srv.run(Job(ids_b, 20, greedy, stop=[stop]), threading.Event(), None)
+    assert rs.finish_reason == "stop" and rs.stop_word == stop and want_b.text.startswith(rs.text)
+    srv.stop()
+    rt.close()
