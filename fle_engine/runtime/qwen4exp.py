@@ -524,7 +524,8 @@ class Net(qwen3next.Net):
         at_blk = blk if lanes is None else lanes * nb + blk
         pooled = Lr.rms_norm(raw.view(-1, r, di).index_select(0, at_blk).float().mean(1), mx.k_norm, a.eps)
         start = blk * r
-        kb.view(-1, di).index_copy_(0, at_blk, Lr.apply_rope_neox(pooled[:, None], state.rope_cos.index_select(0, start),
+        kb.view(-1, di).index_copy_(0, at_blk, Lr.apply_rope_neox(pooled[:, None],
+                                                                 state.rope_cos.index_select(0, start),
                                                                  state.rope_sin.index_select(0, start))[:, 0])
         q = Lr.rms_norm(iqk[:, :hi * di].view(n, hi, di), mx.q_norm, a.eps)
         q = Lr.apply_rope_neox(q, state.rope_cos.index_select(0, positions), state.rope_sin.index_select(0, positions))
