@@ -30,7 +30,7 @@ from fle_quant.synth import make_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("exact_float32", "one_torch_thread")
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-ARCHS = ["qwen3moe", "qwen3next"]
+ARCHS = ["qwen3moe", "qwen3next", "qwen4exp"]
 # logits of a lane against the one-sequence engine, relative to the largest |logit|: the batched products sum in
 # another order than one-row ones
 TOL = 1e-3 if CUDA else 1e-4
@@ -115,7 +115,10 @@ def test_lanes_equal_each_prompt_alone(files, arch):
 
 def test_rows_attending_to_lane_0_are_caught(files, monkeypatch):
     """A batched step whose rows all read lane 0's cache fails the check above."""
-    ops = engine_ops.REFERENCE if not CUDA else engine_ops.pick("triton", DEVICE)
+    if CUDA:        # the engines made after the patch pick the patched kernel
+        from fle_engine.kernels import triton_engine as ops
+    else:
+        ops = engine_ops.REFERENCE
     real = ops.attention_multi
 
     def lane_0(*a, lanes=None, **kw):
@@ -126,6 +129,45 @@ def test_rows_attending_to_lane_0_are_caught(files, monkeypatch):
     monkeypatch.setattr(ops, "attention_multi", lane_0)
     with pytest.raises(AssertionError):
         _check_lanes(files["qwen3moe"])
+
+
+def test_q4_lanes_select_their_own_blocks_and_ple_history(files, monkeypatch):
+    """qwen4exp: in the batched steps of the lanes check, a QSA layer's
+    selection leaves complete blocks out of some row (its own lane's block
+    keys scored); and a step whose rows all hash their PLE n-grams from lane
+    0's token history is caught."""
+    if CUDA:
+        pytest.skip("the eager reference step is inspected (the CUDA step is a graph)")
+    from fle_engine.runtime import qwen4exp as q4rt
+
+    real_attn = engine_ops.REFERENCE.attention_multi
+    left_out = []
+
+    def spy(q, kc, vc, pos, *a, keep=None, ratio=0, lanes=None, **kw):
+        if lanes is not None and keep is not None:
+            complete = (pos + 1) // ratio
+            left_out.append(int(((keep[:, :int(complete.max())] == 0).sum(1) > 0).sum()))
+        return real_attn(q, kc, vc, pos, *a, keep=keep, ratio=ratio, lanes=lanes, **kw)
+
+    monkeypatch.setattr(engine_ops.REFERENCE, "attention_multi", spy)
+    _check_lanes(files["qwen4exp"])
+    assert sum(left_out) > 0
+    monkeypatch.undo()
+
+    real = q4rt.Net.ple_rows_multi
+
+    def lane_0_history(self, p, state, n):
+        lanes = self.rows_at(state, n)[1]
+        if lanes is None:
+            return real(self, p, state, n)
+        b = state.bufs
+        seq = torch.cat([b.ple_tok.index_select(0, torch.zeros_like(lanes)), state.toks[:n, None]], 1)
+        self.ple_hash(p, seq, 1, state.multi.ple_rows[:n * self.args.ple_heads])
+        b.ple_tok.index_copy_(0, lanes, seq[:, 1:])
+
+    monkeypatch.setattr(q4rt.Net, "ple_rows_multi", lane_0_history)
+    with pytest.raises(AssertionError):
+        _check_lanes(files["qwen4exp"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -890,7 +890,8 @@ class Engine:
         self.stats.replay_seconds += time.perf_counter() - t1
         m = b.multi
         for dst, src in ((self._b_logits[:n], m.logits[:n]), (self._b_next[:n], b.next_toks[:n]),
-                         (self._b_ids[:, :n * k], m.ids_log[:, :n * k]), (self._b_hits[:, :n * k], m.hit_log[:, :n * k])):
+                         (self._b_ids[:, :n * k], m.ids_log[:, :n * k]),
+                         (self._b_hits[:, :n * k], m.hit_log[:, :n * k])):
             dst.copy_(src, non_blocking=self.cuda)
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()

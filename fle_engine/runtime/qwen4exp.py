@@ -303,8 +303,17 @@ class Net(qwen3next.Net):
             b.ple_emb = torch.zeros(1, d, **f32)
             b.ple_kv = torch.zeros(1, s * d + d, **f32)
 
-    def lanes_unsupported(self) -> "str | None":
-        return "qwen4exp's batched step of several sequences is not built yet"
+    def lane_bufs(self, state, n_seq: int) -> "tuple[list, object]":
+        """The PLE token and conv histories are per sequence: lane-stacked
+        ([N, ngram - 1], [N, hist, S D]), each lane's buffers holding its
+        row, the batched step's the whole stacks; the rest is shared."""
+        b = state.bufs
+        if b.ple_tok is None:
+            return super().lane_bufs(state, n_seq)
+        tok = b.ple_tok[None].repeat(n_seq, 1)                   # EOS before every lane's start
+        hist = torch.zeros(n_seq, *b.ple_hist.shape, dtype=b.ple_hist.dtype, device=b.ple_hist.device)
+        lanes = [SimpleNamespace(**{**vars(b), "ple_tok": tok[i], "ple_hist": hist[i]}) for i in range(n_seq)]
+        return lanes, SimpleNamespace(**{**vars(b), "ple_tok": tok, "ple_hist": hist})
 
     # hyper-connections -----------------------------------------------------------------
     def hc_read(self, hc: HC, state, ops) -> None:
@@ -504,19 +513,27 @@ class Net(qwen3next.Net):
             mx.parts[0].matvec(xn, iqk[:, :hi * di], impl)
             mx.parts[1].matvec(xn, iqk[:, hi * di:], impl)
         kc, vc, raw, kb = state.kv[il]
-        positions = state.pos + m.steps[:n]                                   # [T]
-        raw.index_copy_(0, positions, iqk[:, hi * di:].to(raw.dtype))
+        pos, lanes = self.rows_at(state, n)
+        positions = pos + m.steps[:n] if lanes is None else pos                     # [T]
+        # a batched step of several sequences: row t's keys in its own lane's rows of the stacked caches
+        nb = kb.shape[-2]
+        at_pos = positions if lanes is None else lanes * raw.shape[-2] + positions
+        raw.view(-1, di).index_copy_(0, at_pos, iqk[:, hi * di:].to(raw.dtype))
         # the blocks holding the T positions (a repeated block gets the same key twice)
         blk = torch.div(positions, r, rounding_mode="floor")
-        pooled = Lr.rms_norm(raw.view(-1, r, di).index_select(0, blk).float().mean(1), mx.k_norm, a.eps)
+        at_blk = blk if lanes is None else lanes * nb + blk
+        pooled = Lr.rms_norm(raw.view(-1, r, di).index_select(0, at_blk).float().mean(1), mx.k_norm, a.eps)
         start = blk * r
-        kb.index_copy_(0, blk, Lr.apply_rope_neox(pooled[:, None], state.rope_cos.index_select(0, start),
-                                                  state.rope_sin.index_select(0, start))[:, 0])
+        kb.view(-1, di).index_copy_(0, at_blk, Lr.apply_rope_neox(pooled[:, None],
+                                                                 state.rope_cos.index_select(0, start),
+                                                                 state.rope_sin.index_select(0, start))[:, 0])
         q = Lr.rms_norm(iqk[:, :hi * di].view(n, hi, di), mx.q_norm, a.eps)
         q = Lr.apply_rope_neox(q, state.rope_cos.index_select(0, positions), state.rope_sin.index_select(0, positions))
-        nb = kb.shape[0]
-        # the decode step's product per query ([NB, Hi] summed over heads), for T queries at once
-        score = torch.relu(kb @ q.reshape(n * hi, di).T).view(nb, n, hi).sum(-1).T        # [T, NB]
+        if lanes is None:
+            # the decode step's product per query ([NB, Hi] summed over heads), for T queries at once
+            score = torch.relu(kb @ q.reshape(n * hi, di).T).view(nb, n, hi).sum(-1).T        # [T, NB]
+        else:       # each row against its own lane's block keys
+            score = torch.relu(torch.bmm(kb.index_select(0, lanes), q.transpose(1, 2))).sum(-1)   # [T, NB]
         complete = torch.div(positions + 1, r, rounding_mode="floor")                     # blocks complete at each
         tail = state.bufs.blocks[None, :nb] >= complete[:, None]
         score = score.masked_fill(tail, float("-inf"))
@@ -525,7 +542,8 @@ class Net(qwen3next.Net):
         chosen = torch.zeros_like(tail).scatter(1, which[:, :k], top[:, :k] > float("-inf"))
         keep = m.keep[:n]
         torch.bitwise_or(chosen, tail, out=keep)
-        ops.attention_multi(m.q[:n], kc, vc, state.pos, a.attn_scale, m.o[:n], m.partial, m.ml, keep=keep, ratio=r)
+        ops.attention_multi(m.q[:n], kc, vc, pos, a.attn_scale, m.o[:n], m.partial, m.ml, keep=keep, ratio=r,
+                            **({} if lanes is None else {"lanes": lanes}))
 
     def mix_multi(self, L: Layer, il: int, state, ops, n: int) -> None:
         if isinstance(L.mixer, qwen3next.GDN):
@@ -538,26 +556,41 @@ class Net(qwen3next.Net):
         [T * heads] (token after token); the token history advanced by the
         T tokens, the history before them followed by them left in ``seq``
         [ngram - 1 + T]."""
-        a, b = self.args, state.bufs
-        g, eos, n = a.ple_ngram, a.ple_eos, toks.shape[0]
+        b, n = state.bufs, toks.shape[0]
         torch.cat([b.ple_tok, toks], out=seq)                               # oldest first
-        ctx = [seq[g - 1:] * p.mult[0]]
-        cut = torch.zeros(n, dtype=torch.bool, device=seq.device)
+        self.ple_hash(p, seq[None], n, rows)
+        b.ple_tok.copy_(seq[n:])
+
+    def ple_hash(self, p: PLE, seq: Tensor, n: int, rows: Tensor) -> None:
+        """The table rows of the n-grams of the last ``n`` tokens of each row
+        of ``seq`` [R, ngram - 1 + n] (a token history, oldest first) ->
+        ``rows`` [R * n * heads] (row after row, token after token)."""
+        a = self.args
+        g, eos, R = a.ple_ngram, a.ple_eos, seq.shape[0]
+        ctx = [seq[:, g - 1:] * p.mult[0]]
+        cut = torch.zeros(R, n, dtype=torch.bool, device=seq.device)
         for j in range(1, g):                                               # predecessor j positions back
-            prev = seq[g - 1 - j:g - 1 - j + n]
+            prev = seq[:, g - 1 - j:g - 1 - j + n]
             cut = cut | (prev == eos)                                       # an EOS at or after it cuts
             ctx.append(torch.where(cut, torch.full_like(prev, eos), prev) * p.mult[j])
         mixed = [ctx[0]]
         for j in range(1, g):
             mixed.append(torch.bitwise_xor(mixed[-1], ctx[j]))
         per = a.ple_heads_per_ngram
-        hashes = torch.stack(mixed[1:], 1)[:, :, None].expand(n, g - 1, per).reshape(n, -1)  # bigram heads first
-        torch.add(torch.remainder(hashes, p.sizes), p.offsets, out=rows.view(n, -1))
-        b.ple_tok.copy_(seq[n:])
+        hashes = torch.stack(mixed[1:], -1)[..., None].expand(R, n, g - 1, per).reshape(R, n, -1)  # bigram heads first
+        torch.add(torch.remainder(hashes, p.sizes), p.offsets, out=rows.view(R, n, -1))
 
     def ple_rows_multi(self, p: PLE, state, n: int) -> None:
-        """:meth:`ple_rows_tokens` of the verify step's T tokens, into m.ple_rows and m.ple_seq."""
+        """:meth:`ple_rows_tokens` of the verify step's T tokens, into m.ple_rows and m.ple_seq; in a
+        batched step of several sequences each row's token after its own lane's history."""
         m = state.multi
+        lanes = self.rows_at(state, n)[1]
+        if lanes is not None:
+            b = state.bufs                                                  # the lanes' stacked histories
+            seq = torch.cat([b.ple_tok.index_select(0, lanes), state.toks[:n, None]], 1)     # [T, ngram]
+            self.ple_hash(p, seq, 1, m.ple_rows[:n * self.args.ple_heads])
+            b.ple_tok.index_copy_(0, lanes, seq[:, 1:])
+            return
         self.ple_rows_tokens(p, state, state.toks[:n], m.ple_seq[:self.args.ple_ngram - 1 + n],
                              m.ple_rows[:n * self.args.ple_heads])
 
@@ -566,7 +599,9 @@ class Net(qwen3next.Net):
         the conv's history advanced by T values. ``bufs``: ``rows`` (filled,
         int64 [T * heads]), ``emb`` [T, D], ``kv`` [T, S D + D] scratch, and
         ``full`` [hist + T, S D], left holding the history before the T
-        values followed by them; ``product(matrix, x, out)``."""
+        values followed by them; ``product(matrix, x, out)``. In a batched
+        step of several sequences (``state.rows``) row t's value follows its
+        own lane's history instead (``full`` unused)."""
         a, b = self.args, state.bufs
         s, d, n = a.hc, a.n_embd, res.shape[0]
         rows, emb, kv = bufs.rows, bufs.emb, bufs.kv
@@ -587,13 +622,22 @@ class Net(qwen3next.Net):
         gated = kv[:, None, s * d:] * gate                                  # [T, S, D]
         normed = Lr.rms_norm(gated, p.norm_conv, a.eps).view(n, s * d)
         n_hist, k_taps, dil = a.ple_hist, a.ple_conv_kernel, a.ple_ngram
-        full = bufs.full
-        torch.cat([b.ple_hist, normed], 0, out=full)
-        y = full[n_hist:n_hist + n] * p.conv[:, k_taps - 1]
-        for k in range(k_taps - 1):
-            at = n_hist - (k_taps - 1 - k) * dil
-            y = y + full[at:at + n] * p.conv[:, k]
-        b.ple_hist.copy_(full[n:n + n_hist])
+        lanes = self.rows_at(state, n)[1]
+        if lanes is not None:
+            # a batched step of several sequences: row t's value after its own lane's history
+            full = torch.cat([b.ple_hist.index_select(0, lanes), normed[:, None]], 1)     # [T, hist + 1, S D]
+            y = full[:, n_hist] * p.conv[:, k_taps - 1]
+            for k in range(k_taps - 1):
+                y = y + full[:, n_hist - (k_taps - 1 - k) * dil] * p.conv[:, k]
+            b.ple_hist.index_copy_(0, lanes, full[:, 1:])
+        else:
+            full = bufs.full
+            torch.cat([b.ple_hist, normed], 0, out=full)
+            y = full[n_hist:n_hist + n] * p.conv[:, k_taps - 1]
+            for k in range(k_taps - 1):
+                at = n_hist - (k_taps - 1 - k) * dil
+                y = y + full[at:at + n] * p.conv[:, k]
+            b.ple_hist.copy_(full[n:n + n_hist])
         res.add_(gated + F.silu(y).view(n, s, d))
 
     def ple_multi(self, p: PLE, state, ops, n: int) -> None:
@@ -612,6 +656,7 @@ class Net(qwen3next.Net):
         the last layer is left in ``state.multi.res[:T]``."""
         a, m = self.args, state.multi
         s = a.hc
+        self.begin_rows(state, n)
         self.embed_multi(state, ops, n)
         res, hxn, hinj = m.res[:n], m.hxn[:n], m.hinj[:n]
         res.copy_(m.x[:n, None].expand_as(res))                               # S copies of each embedding
@@ -630,7 +675,7 @@ class Net(qwen3next.Net):
         self.hc_read_multi(self.output_hc, state, ops, n)
         self.output.matvec(m.xn[:n], m.logits[:n], self.impl(state))
         torch.argmax(m.logits[:n], dim=-1, out=state.next_toks[:n])
-        state.pos.add_(n)
+        self.advance(state, n)
 
     def mtp_hidden(self, state, n: int) -> Tensor:
         """What the MTP head reads of the step that just ran (T = ``n``):

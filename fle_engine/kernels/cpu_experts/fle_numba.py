@@ -19,7 +19,10 @@ The float arithmetic per block and per output follows
 ``expert_forward`` runs the whole expert FFN of a few tokens in one call:
 gate+up rows, then silu * up quantized once per (token, expert), then the
 down rows, then the weighted sum, each product parallel over row chunks on
-numba's thread pool (started once, reused by every call).
+numba's thread pool (started once, reused by every call). Each chunk of
+rows is one call of the type's row kernel by address (:mod:`.rows`: this
+module's row code for AVX2 and the portable IR, :mod:`.simd512` for the
+AVX-512 types), so the drivers here hold no type's code.
 """
 from __future__ import annotations
 

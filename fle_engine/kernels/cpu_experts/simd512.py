@@ -7,9 +7,10 @@ Used where the host has AVX-512 BW / VL / VNNI / VBMI, GFNI and BITALG
 :func:`.simd.isa_cap`). Every intrinsic here computes, for ``n`` consecutive blocks
 of one type at ``w[o:]`` against activation codes at ``x[xo:]``, the exact
 integer block sums ``S_b`` of :mod:`.reference` (codes times sub-block
-scales times activation codes) and stores them to ``out[0:n]`` (Q4_K also
-its minimums' sums ``M_b`` to ``out[8:8 + n]``); the float steps stay in
-numba (:mod:`.fle_numba`), in the reference's order.
+scales times activation codes; Q4_K also its minimums' sums ``M_b``) and
+from them each block's float contribution, in the reference's float
+steps, stored to ``out[0:n]``; the row kernels (:mod:`.rows`) add those to
+their accumulator in block order.
 
 What the 512-bit registers change, against the AVX2 kernels of :mod:`.simd`:
 
@@ -41,7 +42,7 @@ What the 512-bit registers change, against the AVX2 kernels of :mod:`.simd`:
   block in the order its weights come out of the registers, so that every
   vector of a block shares one vector of scales: :data:`LAYOUTS` (per type
   code of :mod:`.fle_numba`) and :data:`PERM` (``x'[i] = x[PERM[layout,
-  i]]`` within each 256-value block); :func:`.fle_numba.arrange` applies
+  i]]`` within each 256-value block); :func:`.rows.arrange` applies
   it to each activation row once per call. IQ3_XXS and IQ3_S read value k
   of grid entry e at 64 k + e (four vectors, one per position in the
   entries), IQ4_XS the low and the high nibbles of four sub-blocks as one
