@@ -45,8 +45,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "rounded as the CPU kernels quantize them (ggml's vec_dot_type), so that a token's numbers "
                         "do not depend on which side computed a miss (for checks; costs two small kernels a layer)")
     p.add_argument("--cpu-kernels", default="auto", choices=("auto", "ggml", "numba", "reference"),
-                   help="engine: CPU expert kernels for the CPU's misses; auto (default): ggml's (from "
-                        "llama-cpp-python) when present, else FLE's numba kernels")
+                   help="engine: CPU expert kernels for the CPU's misses; auto (default): FLE's numba kernels where "
+                        "their AVX-512 versions cover the file's expert types (faster than ggml's there), else "
+                        "ggml's (from llama-cpp-python) when present, else FLE's numba kernels")
     p.add_argument("--ubatch", "-ub", type=int, default=4096, metavar="N",
                    help="engine: prompts of at least --prefill-min tokens are processed N tokens at a time, each "
                         "layer's uncached experts streamed to the GPU once per micro-batch (default 4096; larger "

@@ -87,6 +87,19 @@ def test_table():
     assert "numba" in ce.backends() and ("ggml" in ce.backends()) == GGML
 
 
+def test_preferred_backend_follows_the_measured_kernels(monkeypatch):
+    """The engine's CPU misses take FLE's kernels where the AVX-512 row
+    kernels cover every type of the file, ggml's (when present) otherwise."""
+    ggml = "ggml" if "ggml" in ce.backends() else "numba"
+    monkeypatch.setattr(rows, "ISA", "avx512")
+    assert ce.preferred([GGMLType.IQ3_XXS, GGMLType.IQ4_XS]) == "numba"
+    assert ce.preferred(["Q4_K", "IQ2_XS", "IQ3_S"]) == "numba"
+    assert ce.preferred([GGMLType.IQ3_XXS, GGMLType.Q8_0]) == ggml
+    assert ce.preferred([GGMLType.Q6_K]) == ggml
+    monkeypatch.setattr(rows, "ISA", "avx2")
+    assert ce.preferred([GGMLType.IQ4_XS]) == ggml
+
+
 @needs_ggml
 def test_dot_types_are_ggml_s():
     for t in TYPES:

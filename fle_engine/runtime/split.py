@@ -120,16 +120,18 @@ def _signal(done, il, serial):
 
 class CpuExperts:
     """The CPU side's expert forward with the vectorised CPU kernels
-    (:mod:`fle_engine.kernels.cpu_experts`: ggml's dot products where
-    llama-cpp-python's library is present, FLE's numba kernels otherwise, or
-    the table's plain reference), reading the host expert buffer in place."""
+    (:mod:`fle_engine.kernels.cpu_experts`: "auto" is
+    :func:`~fle_engine.kernels.cpu_experts.preferred`: FLE's numba kernels
+    where their AVX-512 row kernels cover the file's expert types, else
+    ggml's dot products where llama-cpp-python's library is present; or the
+    table's plain reference), reading the host expert buffer in place."""
 
     def __init__(self, host, layouts, impl: str = "auto"):
         from ..kernels import cpu_experts as ce
 
         self.host, self.layouts, self._ce = host, layouts, ce
         if impl == "auto":
-            impl = "ggml" if "ggml" in ce.backends() else "numba"
+            impl = ce.preferred({t for lay in layouts.values() for t in (lay.gu_type, lay.down_type)})
         for lay in layouts.values():
             ce.pick(lay.gu_type, impl)
             ce.pick(lay.down_type, impl)

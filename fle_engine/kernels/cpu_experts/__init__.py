@@ -38,7 +38,7 @@ from . import fle_numba, reference
 from .acts import DOT_TYPE, Acts, quantize_acts
 
 __all__ = ["KERNELS", "DOT_TYPE", "TYPES", "Backend", "Geometry", "expert_forward", "matvec", "backends",
-           "pick", "quantize_acts", "Acts", "AUTO"]
+           "pick", "preferred", "quantize_acts", "Acts", "AUTO"]
 
 TYPES = tuple(fle_numba.CODES)
 AUTO = "numba"
@@ -123,6 +123,22 @@ def backends() -> tuple[str, ...]:
     """The implementations usable in this process."""
     from . import ggml_cpu
     return ("reference", "numba") + (("ggml",) if ggml_cpu.available() else ())
+
+
+def preferred(qtypes) -> str:
+    """The backend the engine's CPU misses take for experts of ``qtypes``
+    (gate/up and down), by measurement (``bench/cpu_experts.py`` on the GPU
+    machine's 16 cores against a native ggml build, ``docs/benchmarks.md``):
+    FLE's AVX-512 row kernels read IQ4_XS and Q4_K at 0.99-1.16x ggml's
+    bytes per second and IQ3_S, IQ3_XXS, IQ2_XS at 1.6-2.0x, so ``numba``
+    where those kernels run for every type; elsewhere (AVX2 only, or a
+    type without an AVX-512 kernel: Q8_0 0.91x) ggml's dot products where
+    llama-cpp-python's library is present, else ``numba``."""
+    from . import fle_numba, rows
+
+    if rows.ISA == "avx512" and all(fle_numba.CODES[parse_type(t)] in rows._PY512 for t in qtypes):
+        return "numba"
+    return "ggml" if "ggml" in backends() else "numba"
 
 
 def pick(qtype, impl: str = "auto") -> Backend:
