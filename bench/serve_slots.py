@@ -65,7 +65,8 @@ async def _load(engine, decode: dict, n_clients: int, n_tokens: int) -> tuple[fl
                                                            "max_tokens": n_tokens, "ignore_eos": True,
                                                            "temperature": 0.7, "seed": i})
             return (await r.json())["usage"]["completion_tokens"]
-        await one(99)                                    # warm-up
+        # warm-up: every slot and batch size once (the engine captures a lane's graphs on their first use)
+        await asyncio.gather(*(one(90 + i) for i in range(engine.n_parallel)))
         t0, c0, d0 = time.perf_counter(), time.process_time(), decode["cpu"]
         got = await asyncio.gather(*(one(i) for i in range(n_clients)))
         return time.perf_counter() - t0, time.process_time() - c0, decode["cpu"] - d0, sum(got)
