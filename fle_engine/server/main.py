@@ -102,10 +102,9 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
     if runtime is not None:
         from ..runtime import Engine as Runtime
 
-        # the slots are the engine's lanes, decoded in batched steps (MTP drafts one sequence). On CUDA the
-        # lanes still fail tests (docs/benchmarks.md, 2026-12-02), so there they are taken only when asked for
-        # with FLE_ENGINE_LANES=1; otherwise the engine holds one sequence and serves one slot at a time
-        lanes_ok = str(device).startswith("cpu") or os.environ.get("FLE_ENGINE_LANES") == "1"
+        # the slots are the engine's lanes, decoded in batched steps (MTP drafts one sequence);
+        # FLE_ENGINE_LANES=0 keeps one sequence that serves one slot at a time
+        lanes_ok = os.environ.get("FLE_ENGINE_LANES", "1") != "0"
         n_seq = n_parallel if lanes_ok and not (mtp or mtp_head) else 1
         model = Runtime(model_path, device=device, ctx_size=n_ctx, log=lambda m: print(m, file=log, flush=True),
                         n_seq=n_seq, **runtime)
