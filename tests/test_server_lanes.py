@@ -479,3 +479,52 @@ def test_exact_prompt_from_the_cache_and_files_of_the_other_path(files, tmp_path
     status, msg = _call(ref, restore_on_ref)
     assert status == 400 and "lanes" in msg
     rt.close()
+
+
+@pytest.mark.parametrize("protect", [(0,), ()])
+def test_protected_slot_conversation_survives_other_traffic_on_lanes(files, protect):
+    """``--cache-protect-slot 0`` on lanes: slot 0's conversation, pushed
+    out of its lane by other traffic, stays in a RAM cache of about two
+    sequences while more traffic passes; its next turn is restored from
+    there and computes only the new tokens. Without protection it is
+    evicted."""
+    path = files["qwen3moe"]
+    conv = [10 + (i * 37) % 300 for i in range(30)]
+    others = [[320 + (7 * j + i) % 150 for i in range(30)] for j in range(6)]
+    probe = _engine(path, ctx=64)
+    a, n = probe.args, len(conv) + 3
+    entry = a.n_layer * 2 * a.n_head_kv * n * a.head_dim * 4 + 8 * n + 4 * a.n_vocab
+    probe.close()
+    srv, rt = _serve(path, cache_ram_mib=2.5 * entry / 2**20, cache_protect_slots=protect)
+    greedy = {"temperature": 0, "ignore_eos": True, "return_tokens": True}
+
+    async def fn(client):
+        r1 = await (await client.post("/completion", json={"prompt": conv, "n_predict": 4, "id_slot": 0,
+                                                           **greedy})).json()
+        # two other requests at once: the second can only take slot 0, whose conversation goes to the cache
+        long = asyncio.create_task(client.post("/completion", json={"prompt": others[0], "n_predict": 30,
+                                                                     **greedy}))
+        while not (await (await client.get("/slots")).json())[1]["is_processing"]:
+            await asyncio.sleep(0.002)
+        await client.post("/completion", json={"prompt": others[1], "n_predict": 4, **greedy})
+        await long
+        for p in others[2:]:                       # more traffic than the cache holds
+            await client.post("/completion", json={"prompt": p, "n_predict": 4, **greedy})
+        follow = conv + r1["tokens"] + [5, 6, 7]
+        r2 = await (await client.post("/completion", json={"prompt": follow, "n_predict": 4, "id_slot": 0,
+                                                           **greedy})).json()
+        cold = await (await client.post("/completion", json={"prompt": follow, "n_predict": 4, "id_slot": 1,
+                                                             "cache_prompt": False, **greedy})).json()
+        return r1, follow, r2, cold
+
+    r1, follow, r2, cold = _call(srv, fn)
+    info = srv.cache.info()
+    held = len(conv) + len(r1["tokens"]) - 1
+    assert info["n_evicted"] >= 2
+    if protect:
+        assert info["n_protected"] >= 1
+        assert r2["timings"]["cache_n"] == held and r2["timings"]["prompt_n"] == len(follow) - held
+        assert r2["tokens"] == cold["tokens"]
+    else:
+        assert r2["timings"]["cache_n"] == 0
+    rt.close()
