@@ -55,7 +55,7 @@ from .split import SHARE_ONE, MissSplit, cpu_experts, parse_split
 from .split import cpu_threads as split_threads
 from .weights import HostExperts
 
-__all__ = ["Engine", "RunStats", "ARCHS", "KV_TYPES", "VERIFY_MAX", "parse_budget"]
+__all__ = ["Engine", "LaneSnapshot", "RunStats", "ARCHS", "KV_TYPES", "VERIFY_MAX", "parse_budget"]
 
 ARCHS = {"qwen3moe": qwen3moe, "qwen3next": qwen3next, "qwen4exp": qwen4exp}
 KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": "q8_0"}
@@ -133,6 +133,35 @@ def _out_views(buf: torch.Tensor, n_layer: int, k: int):
 def _out_log(n_layer: int, k: int, device) -> tuple:
     buf = torch.zeros(2 * n_layer * k + 2, dtype=torch.int32, device=device)
     return buf, _out_views(buf, n_layer, k)
+
+
+@dataclass
+class LaneSnapshot:
+    """A sequence of the engine copied to host memory
+    (:meth:`Engine.lane_snapshot`): its tokens, the net's
+    :meth:`held_state` at their length (attention K/V rows up to it; GDN
+    states, qwen4exp's PLE histories whole; QSA indexer and block keys up
+    to it) and the greedy token after them."""
+    tokens: list
+    parts: list
+    last_tok: "int | None" = None
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held: the state's tensors and 8 per token."""
+        return sum(t.numel() * t.element_size() for t in self.parts) + 8 * len(self.tokens)
+
+    def to_dict(self) -> dict:
+        return {"kind": "lane", "tokens": list(self.tokens), "parts": list(self.parts), "last_tok": self.last_tok}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LaneSnapshot":
+        last = d.get("last_tok")
+        return cls([int(t) for t in d["tokens"]], list(d["parts"]), None if last is None else int(last))
 
 
 class Engine:
@@ -276,6 +305,11 @@ class Engine:
     @property
     def n_vocab(self) -> int:
         return self.args.n_vocab
+
+    @property
+    def arch(self) -> str:
+        """The file's architecture (as the reference Model names it)."""
+        return self.args.arch
 
     # set-up ------------------------------------------------------------------------
     def _fill_host(self, progress: bool) -> None:
@@ -947,6 +981,52 @@ class Engine:
         self._lane_pool = g.pool()
         self._lane_graphs[n] = g
         return g
+
+    # lane snapshots: a lane's sequence copied to host memory and put back ---------------
+    def lane_tokens(self, lane: int) -> list:
+        """The tokens whose effect lane ``lane`` holds (empty when a step of
+        it is still in flight)."""
+        self.select(lane)
+        h = self.history
+        if None in h or self.launched != len(h) or self.consumed != self.launched:
+            return []
+        return list(h)
+
+    def lane_snapshot(self, lane: int) -> LaneSnapshot:
+        """A host copy of lane ``lane``'s sequence at the tokens it holds
+        (see :class:`LaneSnapshot`); the lane is left as it is."""
+        tokens = self.lane_tokens(lane)
+        if not tokens:
+            raise FleError(f"lane {lane} holds no finished sequence to keep")
+        with torch.inference_mode():
+            parts = [v.detach().to("cpu", copy=True) for v in self.net.held_state(self.state, len(tokens))]
+        return LaneSnapshot(tokens, parts, self._last_tok)
+
+    def lane_restore(self, lane: int, snap: LaneSnapshot) -> None:
+        """Put ``snap`` into lane ``lane``: it then holds that sequence, as if
+        it had computed its tokens (a following prompt that extends them
+        computes only the new ones; :meth:`step_lanes` continues it).
+        Copied into the lane's own tensors in place (captured graphs keep
+        their addresses)."""
+        n = snap.n
+        if not 0 < n <= self.ctx_size:
+            raise FleError(f"a sequence of {n} tokens does not fit a lane of {self.ctx_size} positions")
+        self.select(lane)
+        if self.launched != self.consumed:
+            raise FleError("internal: a lane restore while decode steps are in flight")
+        views = self.net.held_state(self.state, n)
+        if len(views) != len(snap.parts) or any(v.shape != p.shape or v.dtype != p.dtype
+                                                for v, p in zip(views, snap.parts)):
+            raise FleError("the kept sequence is of another model or KV cache type (its state's shapes differ)")
+        with torch.inference_mode():
+            for v, p in zip(views, snap.parts):
+                v.copy_(p)
+            self.state.pos.fill_(n)
+        self.history = list(snap.tokens)
+        self.launched = self.consumed = self.length = n
+        self._last_tok = snap.last_tok
+        self.cached_tokens = 0
+        self._multi_at = None
 
     # verify steps: T = 1 + n tokens in one pass ------------------------------------
     def _one_lane(self, what: str) -> None:

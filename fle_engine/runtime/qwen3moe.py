@@ -454,6 +454,23 @@ class Net:
         gives each lane its own."""
         return [state.bufs] * n_seq, state.bufs
 
+    def held_state(self, state, n: int) -> list:
+        """Views of everything ``state`` (one sequence: a lane's, or the
+        engine's) carries for its first ``n`` positions, in a fixed order:
+        per layer :meth:`held_layer`. Copying them out and back in gives the
+        sequence back (runtime.Engine.lane_snapshot / lane_restore)."""
+        return [v for il, c in enumerate(state.kv) for v in self.held_layer(il, c, n)]
+
+    def held_layer(self, il: int, c, n: int) -> list:
+        """Layer ``il``'s part of :meth:`held_state`: the K and V rows of
+        positions 0..n-1 (a q8_0 cache's values and scales)."""
+        from ..kernels.engine_ops import Q8Cache
+
+        out = []
+        for t in c[:2]:
+            out += [t.q[:, :n], t.d[:, :n]] if isinstance(t, Q8Cache) else [t[:, :n]]
+        return out
+
     # the verify step: T tokens in one pass -------------------------------------------
     def multi_unsupported(self) -> "str | None":
         """Why :meth:`step_multi` cannot run on this net, or None."""

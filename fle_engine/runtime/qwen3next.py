@@ -235,6 +235,13 @@ class Net(qwen3moe.Net):
             state.kv[il][0].copy_(conv)
             state.kv[il][1].copy_(ssm)
 
+    def held_layer(self, il: int, c, n: int) -> list:
+        """A GDN layer's conv history and delta-rule state whole (they do not
+        grow with the sequence); an attention layer's rows up to ``n``."""
+        if self.args.recurrent[il]:
+            return [c[0], c[1]]
+        return super().held_layer(il, c, n)
+
     # prefill (runtime.prefill) ----------------------------------------------------------
     def prefill_mixer(self, L: qwen3moe.Layer, il: int, xn: Tensor, out: Tensor, pos0: int, state, ops) -> None:
         if isinstance(L.mixer, GDN):

@@ -709,6 +709,26 @@ class Net(qwen3next.Net):
                 b.ple_tok.copy_(tok)
                 b.ple_hist.copy_(hist)
 
+    def held_state(self, state, n: int) -> list:
+        """The layers' part (:meth:`held_layer`), then the PLE token and conv
+        histories whole (per sequence: the lane's rows)."""
+        out = super().held_state(state, n)
+        b = state.bufs
+        if b.ple_tok is not None:
+            out += [b.ple_tok, b.ple_hist]
+        return out
+
+    def held_layer(self, il: int, c, n: int) -> list:
+        """A QSA layer also holds the indexer's raw keys of positions
+        0..n-1 and the block keys of the blocks they touch (an incomplete
+        block's key is refreshed by the next step and counts only once
+        complete)."""
+        out = super().held_layer(il, c, n)
+        if len(c) == 4:
+            r = self.args.compress[il]
+            out += [c[2][:n], c[3][:-(-n // r)]]
+        return out
+
     # prefill (runtime.prefill): a micro-batch of many tokens --------------------------------
     def prefill_hc_read(self, hc: HC, hxn: Tensor, state, ops) -> "tuple[Tensor, Tensor | None]":
         """:meth:`hc_read` of T tokens' normed streams ``hxn`` [T, S, D] ->

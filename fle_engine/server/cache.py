@@ -11,6 +11,11 @@ may hold stale keys, which attention masks by position.
 
 A state whose every layer is attention can also be cut back to any shorter
 prefix in place (:func:`truncatable`); a recurrent one only to a snapshot.
+
+On the engine's lanes the cache and the slot files hold a lane's snapshot
+instead (:class:`~fle_engine.runtime.engine.LaneSnapshot`, from
+``runtime.Engine.lane_snapshot``: the same parts, copied from the lane's
+rows to host memory), with the same byte count (``nbytes``) and rules.
 """
 from __future__ import annotations
 
@@ -251,7 +256,11 @@ def save_file(path: str, tokens: list[int], snap: Snapshot, logits: Tensor | Non
     return os.path.getsize(path)
 
 
-def load_file(path: str, arch: str) -> tuple[list[int], Snapshot, Tensor | None, int]:
+def load_file(path: str, arch: str, lanes: bool = False) -> tuple[list[int], Any, Tensor | None, int]:
+    """(tokens, snapshot, logits, file size) of a slot file: a :class:`Snapshot`
+    of the reference path, or with ``lanes`` a lane's
+    (:class:`~fle_engine.runtime.engine.LaneSnapshot`); a file of the other
+    kind is refused."""
     try:
         d = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -262,4 +271,17 @@ def load_file(path: str, arch: str) -> tuple[list[int], Snapshot, Tensor | None,
         raise FleError(f"{os.path.basename(path)}: not a saved slot")
     if d.get("arch") != arch:
         raise FleError(f"{os.path.basename(path)}: saved from a {d.get('arch')} model, this one is {arch}")
-    return list(d["tokens"]), Snapshot.from_dict(d["snap"]), d.get("logits"), os.path.getsize(path)
+    is_lane = isinstance(d.get("snap"), dict) and d["snap"].get("kind") == "lane"
+    if is_lane != lanes:
+        where = ("the engine's lanes", "the reference path")
+        raise FleError(f"{os.path.basename(path)}: saved on {where[not is_lane]}; this server runs on "
+                       f"{where[not lanes]}")
+    if lanes:
+        from ..runtime.engine import LaneSnapshot
+
+        snap = LaneSnapshot.from_dict(d["snap"])
+        if snap.tokens != [int(t) for t in d["tokens"]]:
+            raise FleError(f"{os.path.basename(path)}: not a saved slot (its tokens disagree)")
+    else:
+        snap = Snapshot.from_dict(d["snap"])
+    return list(d["tokens"]), snap, d.get("logits"), os.path.getsize(path)

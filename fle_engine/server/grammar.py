@@ -4,8 +4,8 @@ llama-server's ``json_schema`` and ``grammar`` (GBNF, or Lark) fields, and
 the tool-call grammar of ``tool_choice``.
 
 A matcher masks the logits of each step on the host (the reference path
-samples there anyway) and takes each sampled token; generation ends when
-the grammar is complete.
+and the engine's lanes sample there anyway) and takes each sampled token;
+generation ends when the grammar is complete.
 """
 from __future__ import annotations
 

@@ -493,8 +493,9 @@ def _constraint(body: dict, engine: Engine, chat):
         spec = chat.tool_grammar
     if spec is None:
         return None
-    if not engine.stepped:
-        raise ApiError(f"Field '{spec[2]}': structured output runs on the reference path without MTP")
+    if not (engine.stepped or engine.lanes):        # rounds sampled on the host mask each step's logits
+        raise ApiError(f"Field '{spec[2]}': structured output runs on the reference path or the engine's lanes, "
+                       "without MTP")
     return G.matcher(engine, spec)
 
 

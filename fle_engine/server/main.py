@@ -72,9 +72,14 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
     for i in cache_protect_slots:
         if not 0 <= i < n_parallel:
             raise FleError(f"--cache-protect-slot {i}: the server has slots 0..{n_parallel - 1} (--parallel)")
-    if cache_protect_slots and (not cache_ram or mtp or mtp_head or runtime is not None):
+    # on the engine the slots are its lanes, decoded in batched steps (MTP drafts one sequence);
+    # FLE_ENGINE_LANES=0 keeps one sequence that serves one slot at a time
+    lanes_ok = os.environ.get("FLE_ENGINE_LANES", "1") != "0"
+    n_seq = n_parallel if lanes_ok and not (mtp or mtp_head) else 1
+    one_sequence = runtime is not None and n_seq == 1
+    if cache_protect_slots and (not cache_ram or mtp or mtp_head or one_sequence):
         raise FleError("--cache-protect-slot needs the RAM prompt cache (--cache-ram MiB) on the reference path "
-                       "without --mtp")
+                       "or the engine's lanes, without --mtp")
     if slot_save_path:
         os.makedirs(slot_save_path, exist_ok=True)
     if not 0 <= port <= 65535:
@@ -102,10 +107,6 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
     if runtime is not None:
         from ..runtime import Engine as Runtime
 
-        # the slots are the engine's lanes, decoded in batched steps (MTP drafts one sequence);
-        # FLE_ENGINE_LANES=0 keeps one sequence that serves one slot at a time
-        lanes_ok = os.environ.get("FLE_ENGINE_LANES", "1") != "0"
-        n_seq = n_parallel if lanes_ok and not (mtp or mtp_head) else 1
         model = Runtime(model_path, device=device, ctx_size=n_ctx, log=lambda m: print(m, file=log, flush=True),
                         n_seq=n_seq, **runtime)
     else:

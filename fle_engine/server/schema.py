@@ -185,12 +185,19 @@ def _options(body: dict, engine: Engine, n_prompt: int, kind: str = "completion"
     cache_prompt = _bool(body, "cache_prompt", True)
     ignore_eos = _bool(body, "ignore_eos", False)
     bias = _logit_bias(body, engine)
-    if not engine.stepped:
-        used = [name for name, on in (("logit_bias", bias), ("logprobs", want_probs), ("repeat_penalty", pen.active),
-                                      ("id_slot", id_slot >= 0 and not engine.lanes)) if on]
+    # rounds sampled on the host (the reference path, the engine's lanes) apply these to each step's logits; MTP
+    # drafts and an engine of one sequence run token generators
+    if not (engine.stepped or engine.lanes):
+        pen_on = pen.active
+        used = [name for name, on in (("logit_bias", bias), ("n_probs" if n_native else "logprobs", want_probs),
+                                      ("repeat_penalty", pen_on and pen.repeat != 1.0),
+                                      ("presence_penalty", pen_on and pen.presence != 0.0),
+                                      ("frequency_penalty", pen_on and pen.frequency != 0.0),
+                                      ("id_slot", id_slot >= 0)) if on]
         if used:
-            raise ApiError(f"Field '{used[0]}': not supported with MTP drafts or the GPU engine; serve on the "
-                           "reference path (--device cpu, no --mtp) for it")
+            raise ApiError(f"Field '{used[0]}': not supported with MTP drafts or an engine of one sequence; serve "
+                           "on the reference path (--device cpu, no --mtp) or the engine's lanes (--parallel 2 or "
+                           "more, no --mtp) for it")
 
     n_ctx = engine.n_ctx_slot
     if n_prompt >= n_ctx:

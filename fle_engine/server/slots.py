@@ -20,9 +20,12 @@ attends (and runs the delta rule) for all slots at once instead of once
 per slot. On the GPU engine holding one lane per slot
 (``runtime.Engine(n_seq=N)``) a slot's prompt runs on its lane and each
 round is one batched decode step of every slot with a token to feed
-(``step_lanes``), sampled per slot on the host. With MTP drafts, or an
-engine of one sequence, each slot runs its own token generator, one slot
-at a time on the engine.
+(``step_lanes``), sampled per slot on the host with the reference path's
+chain (logit bias, penalties, ignore_eos, grammar mask, probabilities);
+the RAM prompt cache and slot files hold lane snapshots there
+(``lane_snapshot`` / ``lane_restore``). With MTP drafts, or an engine of
+one sequence, each slot runs its own token generator, one slot at a time
+on the engine.
 
 A protected slot (``--cache-protect-slot``) keeps the conversation of the
 requests naming it in the RAM prompt cache: its entries are evicted only by
@@ -237,7 +240,9 @@ class Engine:
         # the reference path steps the slots itself; MTP and an engine of one sequence run token generators
         self.stepped = not (mtp or self.runtime)
         self._host_rounds = self.stepped or self.lanes      # rounds of the scheduler's own, sampled on the host
-        self.cache = C.PromptCache(int(cache_ram_mib * 2**20) if self.stepped else 0)
+        # the RAM prompt cache holds state snapshots: the reference path's (cache.snapshot), the lanes'
+        # (runtime.Engine.lane_snapshot)
+        self.cache = C.PromptCache(int(cache_ram_mib * 2**20) if self._host_rounds else 0)
         # slots whose conversations (the requests naming them) the other slots' traffic cannot push out of the
         # prompt cache; unnamed requests take them only when no other slot is idle
         self.protect = frozenset(int(i) for i in cache_protect_slots)
@@ -246,7 +251,7 @@ class Engine:
                 raise FleError(f"--cache-protect-slot {i}: the server has slots 0..{n_parallel - 1}")
         if self.protect and not self.cache.enabled:
             raise FleError("--cache-protect-slot needs the RAM prompt cache (--cache-ram MiB) on the reference "
-                           "path without --mtp")
+                           "path or the engine's lanes, without --mtp")
         self.slot_save_path = slot_save_path
         self.slots = [Slot(i, self.n_ctx_slot) for i in range(n_parallel)]
         self._cv = threading.Condition()
@@ -254,7 +259,8 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._batched = hasattr(model, "forward_batch")
-        self._truncatable: bool | None = None
+        # a lane's sequence can be cut back to a shorter prefix when the net's state is positional (KV only)
+        self._truncatable: bool | None = bool(getattr(model.net, "positional_state", False)) if self.lanes else None
         self._pools: dict[object, tuple[torch.Tensor, ...]] = {}   # per layer (and carried state), see _new_state
         # counters for /metrics
         self.n_prompt_total = self.n_predicted_total = self.n_requests = self.n_cached_total = 0
@@ -441,6 +447,9 @@ class Engine:
     # ---------------------------------------------------------------- starting a request
 
     def _keep_in_cache(self, slot: Slot) -> None:
+        if self.lanes:
+            self._keep_lane(slot)
+            return
         if self.cache.enabled and slot.tokens and slot.cacheable and slot.state is not None:
             self.cache.put(list(slot.tokens), C.snapshot(slot.state, len(slot.tokens)), slot.logits,
                            owner=slot.id if slot.protected else None)
@@ -527,6 +536,40 @@ class Engine:
             slot.logits = None
         return have
 
+    def _keep_lane(self, slot: Slot) -> None:
+        """The slot's lane's sequence into the RAM prompt cache (a host
+        snapshot, with the logits after its last token)."""
+        if not (self.cache.enabled and slot.tokens and slot.cacheable):
+            return
+        if self.model.lane_tokens(slot.id) != slot.tokens:
+            return                      # the lane does not hold what the slot says (a failed round)
+        logits = slot.logits.clone() if slot.logits is not None else None
+        self.cache.put(list(slot.tokens), self.model.lane_snapshot(slot.id), logits,
+                       owner=slot.id if slot.protected else None)
+
+    def _prepare_lane(self, slot: Slot, job: Job) -> None:
+        """Before a prompt runs on the slot's lane: a prompt-cache entry
+        serving more of it than the lane keeps is restored into the lane;
+        what the lane holds and is about to lose goes to the cache first.
+        (The lane's prompt then keeps what it shares with the prompt, as
+        :meth:`runtime.Engine.lane_prompt` keeps it.)"""
+        held = self.model.lane_tokens(slot.id)
+        if held != slot.tokens:
+            slot.tokens, slot.logits = held, None
+        if not job.cache_prompt:
+            self._keep_lane(slot)
+            return
+        ct = self._can_truncate()
+        have = C.usable_prefix(slot.tokens, slot.logits is not None, job.prompt, ct) if slot.tokens else 0
+        entry, from_cache = self.cache.best(job.prompt, ct) if self.cache.enabled else (None, 0)
+        if entry is not None and from_cache > have:
+            if slot.tokens != entry.tokens:
+                self._keep_lane(slot)
+            self.model.lane_restore(slot.id, entry.snap)
+            slot.tokens, slot.logits = list(entry.tokens), entry.logits
+        elif have < len(slot.tokens):
+            self._keep_lane(slot)       # what the lane holds goes (all of it, or past the shared prefix)
+
     def _attach(self, slot: Slot, task: _Task):
         """What every task gets when it takes a slot; returns its job."""
         job = task.job
@@ -544,7 +587,9 @@ class Engine:
         eog = self.tok.eog_ids
         if self.lanes:                   # the prompt runs on the slot's lane in the next round
             task.pos = 0
+            self._prepare_lane(slot, job)
             slot.cacheable = job.cache_prompt
+            slot.protected = slot.id in self.protect and job.id_slot == slot.id
             task.history = list(job.prompt)
             return
         if not self.stepped:
@@ -653,9 +698,13 @@ class Engine:
         for s in active:
             t = s.task
             if t.pos < len(t.job.prompt):
-                logits, t.n_cached = self.model.lane_prompt(s.id, t.job.prompt, cache_prompt=t.job.cache_prompt)
-                t.pos = len(t.job.prompt)
-                s.tokens, s.logits = list(t.job.prompt), None
+                prompt = t.job.prompt
+                if t.job.cache_prompt and s.logits is not None and s.tokens == prompt:
+                    logits, t.n_cached = s.logits, len(prompt)      # the lane holds the prompt and its logits
+                else:
+                    logits, t.n_cached = self.model.lane_prompt(s.id, prompt, cache_prompt=t.job.cache_prompt)
+                t.pos = len(prompt)
+                s.tokens, s.logits = list(prompt), logits
                 self._sample(s, logits)
         feed = [s for s in active if s.task is not None and s.task.next_token is not None]
         if not feed:
@@ -664,6 +713,7 @@ class Engine:
         outs = self.model.step_lanes([s.id for s in feed], toks)
         for s, tok, out in zip(feed, toks, outs):
             s.tokens.append(tok)
+            s.logits = out
             s.task.next_token = None
             self._sample(s, out)
 
@@ -858,8 +908,10 @@ class Engine:
             if self.lanes:
                 self.model.lane_reset(sid)
             return {"id_slot": sid, "n_erased": n}
-        if not self.stepped:
-            raise FleError("slot save and restore run on the reference path without MTP")
+        if not self._host_rounds:
+            raise FleError("slot save and restore run on the reference path or the engine's lanes, without MTP")
+        if self.lanes and action in ("save", "restore"):
+            return self._lane_action(s, action, sid, arg, t0)
         if action == "save":
             path = self._slot_file(arg)
             if s.state is None or not s.tokens:
@@ -880,6 +932,33 @@ class Engine:
             return {"id_slot": sid, "filename": arg, "n_restored": len(tokens), "n_read": nbytes,
                     "timings": {"restore_ms": 1e3 * (time.perf_counter() - t0)}}
         raise FleError(f"unknown slot action {action!r}: expected save, restore or erase")
+
+    def _lane_action(self, s: Slot, action: str, sid: int, arg: str | None, t0: float) -> dict:
+        """Save or restore a slot on the engine's lanes: the lane's snapshot
+        (:meth:`runtime.Engine.lane_snapshot`) in the slot file."""
+        path = self._slot_file(arg)
+        arch = self.model.arch
+        if action == "save":
+            held = self.model.lane_tokens(sid)
+            if not s.tokens or held != s.tokens:
+                raise FleError(f"slot {sid} holds nothing to save")
+            logits = s.logits.clone() if s.logits is not None else None
+            nbytes = C.save_file(path, s.tokens, self.model.lane_snapshot(sid), logits, arch)
+            return {"id_slot": sid, "filename": arg, "n_saved": len(s.tokens), "n_written": nbytes,
+                    "timings": {"save_ms": 1e3 * (time.perf_counter() - t0)}}
+        tokens, snap, logits, nbytes = C.load_file(path, arch, lanes=True)
+        if snap.n > s.n_ctx:
+            raise FleError(f"the saved slot holds {snap.n} tokens; a slot here holds {s.n_ctx}")
+        try:
+            self.model.lane_restore(sid, snap)
+        except FleError:
+            self.model.lane_reset(sid)
+            s.tokens, s.logits = [], None
+            raise
+        s.tokens, s.logits, s.cacheable = list(tokens), logits, True
+        s.protected = sid in self.protect
+        return {"id_slot": sid, "filename": arg, "n_restored": len(tokens), "n_read": nbytes,
+                "timings": {"restore_ms": 1e3 * (time.perf_counter() - t0)}}
 
 
 def default_ctx_size(n_ctx_train: int | None, requested: int | None) -> int:
