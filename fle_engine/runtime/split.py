@@ -292,6 +292,10 @@ class MissSplit(PageLocked):
                 self._thread = threading.Thread(target=self._run, name="fle-cpu-misses", daemon=True)
                 self._thread.start()
 
+    def rows_fit(self, n_rows: int) -> bool:
+        """Whether a step of ``n_rows`` rows fits the mailbox (its CPU count in the flag's low byte)."""
+        return n_rows <= self.t_max and n_rows * self.n_used <= 255
+
     def box(self, il: int, n_rows: int):
         """Layer ``il``'s mailbox as (ids, weights, miss flags) [T K] and x [T, D] views."""
         R, D = n_rows * self.n_used, self.n_embd
@@ -318,6 +322,9 @@ class MissSplit(PageLocked):
 
     def done_ptr(self, il):
         return _Mapped(self.done[self.index[il]:].ctypes.data, torch.int64)
+
+    def rows_ptr(self, il):
+        return _Mapped(self.rows[self.index[il]:].ctypes.data, torch.int64)
 
     def err_ptr(self):
         return _Mapped(self.err.ctypes.data, torch.int64)
