@@ -35,6 +35,9 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 PROMPT = [1, 17, 42, 99, 5, 7]
 DRAFTS = [[300, 12, 77], [5, 9, 210], [44, 3, 150], [61, 8, 99]]
 SPLITS = {"cpu": 256, "0.5": 128}
+# logits of the CPU's misses against the GPU's, both multiplying the CPU kernels' rounding of the activations:
+# only the order of float sums differs (the CPU's sum is one residual part; qwen4exp: ~2e-4 of the largest logit)
+TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +134,7 @@ def test_verify_step_misses_on_the_cpu_equal_misses_on_the_gpu(files, arch, spli
     assert eng.split is not None and eng.split.share == SPLITS[split] and eng.split.t_max >= 4
     got, got_logits = _verify_run(eng)
     assert got == want
-    _close(got_logits, want_logits, 1e-4)
+    _close(got_logits, want_logits, TOL)
     assert eng.split.cpu_experts > 0
     st = eng.stats
     assert st.multi_steps == len(DRAFTS) and st.multi_cpu_bytes > 0
@@ -260,7 +263,7 @@ def test_a_wrong_hand_over_is_caught(files, monkeypatch, broken):
     eng.close()
     with pytest.raises(AssertionError):
         assert got == want
-        _close(got_logits, want_logits, 1e-4)
+        _close(got_logits, want_logits, TOL)
 
 
 # ---------------------------------------------------------------------------
@@ -298,7 +301,7 @@ def test_lanes_misses_on_the_cpu_equal_misses_on_the_gpu(files, arch, split):
     n0 = eng.split.cpu_experts
     got, got_logits = _lanes_run(eng)
     assert got == want
-    _close(got_logits, want_logits, 1e-4)
+    _close(got_logits, want_logits, TOL)
     assert eng.split.cpu_experts > n0 and eng.stats.multi_steps == 4
     eng.close()
 
@@ -438,7 +441,7 @@ def test_fast_verify_and_lanes_split_equal_gpu(files, arch, split):
     assert eng._graph is not None and eng.split.team is not None
     got, got_logits = _verify_run(eng)
     assert got == want
-    _close(got_logits, want_logits, 1e-4)
+    _close(got_logits, want_logits, TOL)
     assert eng.split.team.experts == eng.split.cpu_experts > 0
     c = eng.step_cost(3, reps=3)
     assert c["cpu_bytes"] > 0 and c["pcie_bytes"] + c["cpu_bytes"] <= c["pcie_bytes_union"] + 1
@@ -451,7 +454,7 @@ def test_fast_verify_and_lanes_split_equal_gpu(files, arch, split):
     eng = _engine(path, ctx=3 * 64, n_seq=3, miss_split=split, miss_activations="q8")
     got, got_logits = _lanes_run(eng)
     assert got == want
-    _close(got_logits, want_logits, 1e-4)
+    _close(got_logits, want_logits, TOL)
     assert eng.split.team.experts == eng.split.cpu_experts > 0
     eng.close()
 
@@ -495,3 +498,27 @@ def test_fast_t_row_post_and_wait_kernels(files):
         assert torch.equal(out[:, 0].cpu(), torch.full((T, D), 5.0))
     finally:
         eng.close()
+
+
+def test_bench_verify_cost_with_the_split(files, tmp_path, capsys):
+    """bench/verify_step.py with ``--miss-split 0.5`` on the reference side
+    (times mean nothing here): per step the bytes of its distinct misses
+    split between PCIe and the CPU, printed against the per-token sums."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "verify_step.py"
+    spec = importlib.util.spec_from_file_location("bench_verify_split", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    assert bench.main(["--model", str(files["qwen3moe"]), "--device", "cpu", "--warmup", "4", "--reps", "1",
+                       "--cache-budget", "third", "--miss-split", "0.5", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["miss_split"] == "0.5" and res["cpu_share"] == 0.5
+    for r in res["rows"]:
+        assert r["pcie_bytes"] + r["cpu_bytes"] == pytest.approx(r["pcie_bytes_union"])
+        assert r["pcie_bytes_tokens"] + r["cpu_bytes_tokens"] == pytest.approx(r["pcie_bytes_sum"])
+    assert any(r["cpu_bytes"] > 0 for r in res["rows"])
+    assert "PCIe sum" in capsys.readouterr().out
