@@ -20,6 +20,11 @@ and the rate is E(n) / (T(n) + n * draft cost). The draft cost per drafted
 token is ``--draft-ms`` (default 0: the rate is then an upper bound for
 drafting that is not free).
 
+``--miss-split`` (as the engine's) measures T(n) with the CPU computing its
+share of each step's distinct missed experts while the GPU reads the rest
+(runtime.split); the table then also prints the bytes of one step on each
+side against the per-token sums.
+
 On a machine without CUDA, ``--device cpu`` runs the reference operations
 on a small file (a smoke test; the times mean nothing).
 """
@@ -86,11 +91,13 @@ def third_budget(path: Path) -> int:
     return exp_bytes * (n_layer // 3) // n_layer
 
 
-def run(model: Path, budget, device: str, warmup: int, reps: int, draft_ms: float, accept, seed: int) -> dict:
+def run(model: Path, budget, device: str, warmup: int, reps: int, draft_ms: float, accept, seed: int,
+        miss_split: str = "gpu") -> dict:
     from fle_engine.runtime import Engine
 
     ctx = max(256, warmup + 64)
-    eng = Engine(model, device=device, cache_budget=budget, ctx_size=ctx, profile_path="none", progress=False)
+    eng = Engine(model, device=device, cache_budget=budget, ctx_size=ctx, profile_path="none", progress=False,
+                 miss_split=miss_split)
     try:
         rng = np.random.default_rng(seed)
         v = eng.args.n_vocab
@@ -100,7 +107,8 @@ def run(model: Path, budget, device: str, warmup: int, reps: int, draft_ms: floa
         res = {"model": str(model), "device": device, "cache_bytes": eng.cache.budget_used, "position": eng.launched,
                "warmup_tokens": warmup, "warmup_decode_tok_s": decode_tok_s,
                "warmup_hit_rate": eng.cache.stats.hit_rate, "reps": reps, "draft_ms": draft_ms,
-               "accept": list(accept), "rows": []}
+               "accept": list(accept), "miss_split": miss_split,
+               "cpu_share": eng.split.share / 256 if eng.split is not None else 0.0, "rows": []}
         for n in range(len(accept) + 1):
             c = eng.step_cost(1 + n, reps=reps, seed=seed + n)
             res["rows"].append(dict(c, drafts=n))
@@ -119,13 +127,20 @@ def report(res: dict) -> None:
     mb = 1e6
     print(f"{Path(res['model']).name}: expert cache {res['cache_bytes'] / 2**30:.2f} GiB, position {res['position']} "
           f"after {res['warmup_tokens']} warm-up tokens ({res['warmup_decode_tok_s']:.1f} tok/s decoding, hit rate "
-          f"{res['warmup_hit_rate']:.3f}); {res['reps']} replays per step, cache frozen")
-    print(f"{'n':>2} {'T':>2} {'T(n) ms':>9} {'T(n)/T(0)':>9} {'hit':>6} {'PCIe MB union':>14} {'sum':>9} "
+          f"{res['warmup_hit_rate']:.3f}); {res['reps']} replays per step, cache frozen; --miss-split "
+          f"{res.get('miss_split', 'gpu')} (CPU share {res.get('cpu_share', 0.0):.0%} of each layer's distinct misses)")
+    print(f"{'n':>2} {'T':>2} {'T(n) ms':>9} {'T(n)/T(0)':>9} {'hit':>6} {'miss MB union':>14} {'sum':>9} "
+          f"{'PCIe MB':>8} {'CPU MB':>7} {'PCIe sum':>9} {'CPU sum':>8} "
           f"{'misses':>7} {'distinct':>8} {'E(n)':>6} {'tok/s*':>8}")
     for r in res["rows"]:
         print(f"{r['drafts']:>2} {r['tokens']:>2} {r['seconds'] * 1e3:>9.3f} {r['ratio']:>9.3f} {r['hit_rate']:>6.3f} "
-              f"{r['pcie_bytes_union'] / mb:>14.1f} {r['pcie_bytes_sum'] / mb:>9.1f} {r['miss_rows']:>7.1f} "
+              f"{r['pcie_bytes_union'] / mb:>14.1f} {r['pcie_bytes_sum'] / mb:>9.1f} "
+              f"{r['pcie_bytes'] / mb:>8.1f} {r['cpu_bytes'] / mb:>7.1f} {r['pcie_bytes_tokens'] / mb:>9.1f} "
+              f"{r['cpu_bytes_tokens'] / mb:>8.1f} {r['miss_rows']:>7.1f} "
               f"{r['distinct_misses']:>8.1f} {r['expected_tokens']:>6.3f} {r['modelled_tok_s']:>8.1f}")
+    print("miss MB union / sum: bytes of missed experts per step, each distinct one once / summed over the step's "
+          "tokens; PCIe MB / CPU MB: the step's split of the union (runtime.split's union rule), PCIe sum / CPU sum: "
+          "what the T tokens' one-token steps would read on each side")
     a = ", ".join(f"{x:g}" for x in res["accept"])
     print(f"* MODELLED, not measured: from the measured step costs and the report's acceptance ({a} for drafts "
           f"1, 2, 3), rate = E(n) / (T(n) + n x {res['draft_ms']:g} ms draft cost per drafted token"
@@ -150,6 +165,9 @@ def main(argv=None) -> int:
     p.add_argument("--accept", default=",".join(map(str, ACCEPT)),
                    help="conditional acceptance of drafts 1, 2, 3 (default the report's 0.86,0.78,0.78)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--miss-split", default="gpu",
+                   help="the engine's --miss-split (gpu, cpu, auto or the CPU's fraction): with a CPU share, each "
+                        "step's distinct misses are split between the CPU and PCIe (default gpu)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
 
@@ -161,7 +179,7 @@ def main(argv=None) -> int:
         budget = third_budget(path) if args.cache_budget == "third" else parse_budget(args.cache_budget)
         accept = tuple(float(x) for x in args.accept.split(","))
         res = run(path, "auto" if budget is None else budget, args.device, args.warmup, args.reps, args.draft_ms,
-                  accept, args.seed)
+                  accept, args.seed, miss_split=args.miss_split)
     except FleError as e:
         raise SystemExit(f"verify_step: {e}") from None
     report(res)

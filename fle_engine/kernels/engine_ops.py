@@ -22,7 +22,9 @@ Signatures (both sides; outputs written in place):
 - ``experts_union(...)``: ``experts`` for the T x n_used rows of a
   T-token step with each distinct expert read once; ``reads`` (int32 [R],
   optional) marks the rows whose program read the expert (the first row
-  of each expert)
+  of each expert); ``cpu_share`` skips the rows of the CPU's distinct
+  missed experts (runtime.split's union rule; their down rows written as
+  zeros), ``x_miss`` as for ``experts``
 - ``qk_rope_kv_multi(...)``, ``attention_multi(q, k_cache, v_cache, pos,
   scale, out, partial, ml)``: T tokens at positions pos .. pos + T - 1
   (``qkv`` [T, W], ``q``/``out`` [T, H Dh]); token t attends to positions
@@ -58,7 +60,10 @@ Signatures (both sides; outputs written in place):
 - ``post_misses(split, il, xn, ids, wts, slot_of, serial)`` and
   ``wait_misses(split, il, ids, slot_of, serial, out)``: the CPU's share of
   a layer's misses (:mod:`fle_engine.runtime.split`); the reference computes
-  it at once in the post, the fast side hands it to the worker thread
+  it at once in the post, the fast side hands it to the worker thread.
+  One token: ``xn`` [D], ``ids``/``wts`` [K], ``out`` [D]; a T-row step:
+  ``xn`` [T, D], ``ids``/``wts`` [T K], ``out`` [T, D] (any row stride),
+  split by the union rule
 - ``experts(..., cpu_share=s)`` skips the rows that the CPU computes;
   ``experts(..., x_miss=xq)``: rows of missed experts read ``xq``
 - ``round_acts(x, dot_k, out, ids=None, slot_of=None)``: rows quantized to
@@ -195,7 +200,7 @@ def lane_of(cache, i: int):
 def experts_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
                 n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
                 gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
-                cpu_share: int = 0, x_miss: "Tensor | None" = None) -> Tensor:
+                cpu_share: int = 0, x_miss: "Tensor | None" = None, _on_cpu: "set | None" = None) -> Tensor:
     from ..runtime.split import cpu_count
 
     word = store.word
@@ -204,8 +209,8 @@ def experts_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part_words
     size = n_rows * row_bytes
     slot_of_h = slot_of.cpu()
     ids_h = ids.cpu().tolist()
-    on_cpu = set()
-    if cpu_share:
+    on_cpu = set() if _on_cpu is None else _on_cpu       # _on_cpu: the rows that experts_union gives the CPU
+    if cpu_share and _on_cpu is None:
         for t in range(len(ids_h) // n_used):
             rows = [t * n_used + k for k in range(n_used) if int(slot_of_h[ids_h[t * n_used + k]]) < 0]
             n_cpu = cpu_count(len(rows), cpu_share)
@@ -250,12 +255,27 @@ def round_acts_ref(x: Tensor, dot_k: bool, out: Tensor, ids: "Tensor | None" = N
     return out
 
 
+def union_rows_on_cpu(ids: Tensor, slot_of: Tensor, cpu_share: int) -> set:
+    """The rows of a T-row step whose expert the CPU computes (runtime.split's
+    :func:`~fle_engine.runtime.split.union_cpu`): every row routed to one of
+    the CPU's distinct missed experts."""
+    from ..runtime.split import union_cpu
+
+    if not cpu_share:
+        return set()
+    ids_h = ids.view(-1).cpu().tolist()
+    slot_h = slot_of.cpu()
+    _, mine = union_cpu(ids_h, [int(slot_h[e]) < 0 for e in ids_h], cpu_share)
+    mine = set(mine)
+    return {r for r, e in enumerate(ids_h) if e in mine}
+
+
 def experts_union_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
                       n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
                       gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
-                      reads: "Tensor | None" = None) -> Tensor:
+                      reads: "Tensor | None" = None, cpu_share: int = 0, x_miss: "Tensor | None" = None) -> Tensor:
     experts_ref(store, qtype, host_delta, part_words, expert_words, n_out, row_bytes, slot_of, ids, x, out, gate_up,
-                n_used, weights, mode)
+                n_used, weights, mode, x_miss=x_miss, _on_cpu=union_rows_on_cpu(ids, slot_of, cpu_share))
     if reads is not None:
         ids_h = ids.view(-1).cpu().tolist()
         reads.copy_(torch.tensor([int(e not in ids_h[:r]) for r, e in enumerate(ids_h)], dtype=reads.dtype))
@@ -263,29 +283,36 @@ def experts_union_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part
 
 
 def _cpu_share_of(split, ids: Tensor, slot_of: Tensor):
-    from ..runtime.split import cpu_count
+    """(miss flags of the T x K rows, the CPU's expert count) by the union rule (T = 1: the token's rule)."""
+    from ..runtime.split import union_cpu
 
-    miss = (slot_of[ids.view(-1)] < 0).cpu()
-    return miss, int(cpu_count(int(miss.sum()), split.share))
+    ids_h = ids.view(-1).cpu()
+    miss = slot_of.cpu()[ids_h] < 0
+    _, mine = union_cpu(ids_h.tolist(), miss.tolist(), split.share)
+    return miss, len(mine)
 
 
 def post_misses_ref(split, il: int, xn: Tensor, ids: Tensor, wts: Tensor, slot_of: Tensor, serial: Tensor) -> None:
-    """The reference hand-over: the CPU's share computed at once (no worker)."""
+    """The reference hand-over: the CPU's share computed at once (no worker).
+    ``xn`` [D] (one token) or [T, D] with ``ids``/``wts`` [T K] (a T-row step)."""
     miss, n_cpu = _cpu_share_of(split, ids, slot_of)
     if n_cpu:
-        k = ids.numel()
-        box = split.boxes[split.index[il]]
-        box[:k] = ids.view(-1).cpu().numpy()
-        box[k:2 * k] = wts.view(-1).cpu().numpy()
-        box[2 * k:3 * k] = miss.numpy()
-        box[3 * k:] = xn.view(-1).float().cpu().numpy()
+        T = ids.numel() // split.n_used
+        b_ids, b_wts, b_miss, b_x = split.box(il, T)
+        b_ids[:] = ids.view(-1).cpu().numpy()
+        b_wts[:] = wts.view(-1).cpu().numpy()
+        b_miss[:] = miss.numpy()
+        b_x[:] = xn.reshape(T, -1).float().cpu().numpy()
+        split.rows[split.index[il]] = T
         split.process(il, n_cpu)
 
 
 def wait_misses_ref(split, il: int, ids: Tensor, slot_of: Tensor, serial: Tensor, out: Tensor) -> None:
+    """The CPU's sums into ``out`` ([D], or [T, D] for a T-row step; zeros without CPU work)."""
     _, n_cpu = _cpu_share_of(split, ids, slot_of)
     if n_cpu:
-        out.copy_(torch.from_numpy(split.results[split.index[il]].copy()))
+        T = ids.numel() // split.n_used
+        out.copy_(torch.from_numpy(split.result(il, T).copy()).view(out.shape))
     else:
         out.zero_()
 

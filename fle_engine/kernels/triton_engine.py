@@ -300,16 +300,33 @@ def round_acts(x: Tensor, dot_k: bool, out: Tensor, ids: "Tensor | None" = None,
 
 
 @triton.jit
+def _union_n_cpu(ids_ptr, slot_of_ptr, n_rows, cpu_share, RP: tl.constexpr):
+    """runtime.split's union rule on the n_rows (T x K) rows of a step: (the
+    rows [RP], in range, their experts, missed, first row of a distinct
+    missed expert, that count, the CPU's count of them)."""
+    idx = tl.arange(0, RP)
+    inr = idx < n_rows
+    e = tl.load(ids_ptr + idx, mask=inr, other=-1)
+    miss = (tl.load(slot_of_ptr + tl.where(inr, e, 0), mask=inr, other=0) < 0) & inr
+    earlier = (e[:, None] == e[None, :]) & (idx[None, :] < idx[:, None])
+    first = (tl.sum(earlier.to(tl.int32), axis=1) == 0) & inr
+    dm = first & miss
+    n_d = tl.sum(dm.to(tl.int32), axis=0)
+    return idx, inr, e, miss, dm, n_d, (n_d * cpu_share + 128) // 256
+
+
+@triton.jit
 def _expert_union_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr, reads_ptr,
                          host_delta, part_words, n_out, n_in, n_blocks, row_words, expert_words, n_used, n_rows,
-                         stride_x, stride_y,
+                         stride_x, stride_y, cpu_share, x_miss_delta,
                          QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
                          N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr, RP: tl.constexpr,
                          TP: tl.constexpr, LOG_READS: tl.constexpr, FAST: tl.constexpr = 0,
-                         PAIRED: tl.constexpr = False):
+                         PAIRED: tl.constexpr = False, SPLIT: tl.constexpr = False):
     # Program (pid_n, r): if row r is the first row of its expert among the n_rows rows of the step, output
     # rows [pid_n * BLOCK_N, +BLOCK_N) of every row (at most TP) routed to that expert, each chunk of the
-    # weights decoded once for all of them; otherwise nothing. Each distinct expert is read once.
+    # weights decoded once for all of them; otherwise nothing. Each distinct expert is read once. SPLIT: an
+    # expert that runtime.split's union rule gives the CPU is not read (its down rows are written as zeros).
     pid_n = tl.program_id(0)
     r = tl.program_id(1)
     e = tl.load(ids_ptr + r)
@@ -322,11 +339,8 @@ def _expert_union_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_pt
             tl.store(reads_ptr + r, owner.to(tl.int32))
     if owner:
         s = tl.load(slot_of_ptr + e).to(tl.int64)
-        # a cached expert is read from its slot, a missed one from host memory (host_delta words away)
-        base = tl.where(s >= 0, s * expert_words, host_delta + e.to(tl.int64) * expert_words) + part_words
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_out
-        row_w = base + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_words
         # the rows of this expert, in order: slot j of [TP] holds the j-th of them
         t_idx = tl.arange(0, TP)
         rank = tl.cumsum(same.to(tl.int32), axis=0) - 1
@@ -334,35 +348,52 @@ def _expert_union_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_pt
         rows = tl.sum(tl.where(pick, idx[None, :], 0), axis=1)               # [TP]
         cnt = tl.sum(same.to(tl.int32), axis=0)          # <= TP: a token routes to an expert at most once
         valid = t_idx < cnt
-        if GATE_UP:
-            x_rows = rows // n_used
+        if SPLIT:
+            u_idx, u_inr, u_e, u_miss, dm, n_d, n_cpu = _union_n_cpu(ids_ptr, slot_of_ptr, n_rows, cpu_share, RP)
+            # this expert's place among the distinct misses: those first routed before row r
+            before = tl.sum((dm & (idx < r)).to(tl.int32), axis=0)
+            on_cpu = (s < 0) & (before >= n_d - n_cpu)
         else:
-            x_rows = rows
-        if GATE_UP:
-            row_u = row_w + n_out.to(tl.int64) * row_words      # the up rows follow the gate rows
-            if FAST == 1 and QTYPE == 23 and PAIRED:
-                # gate and up rows in one loop, each chunk decoded once for every row of the expert
-                gu = _iq4_union_rows(wv, tl.reshape(tl.join(row_w, row_u), [2 * BLOCK_N]), x_ptr, x_rows, cnt,
-                                     stride_x, N_CHUNKS, 2 * BLOCK_N, TP)
-                g, u = tl.split(tl.reshape(gu, [TP, BLOCK_N, 2]))
-            elif FAST == 1 and QTYPE == 23:
-                g = _iq4_union_rows(wv, row_w, x_ptr, x_rows, cnt, stride_x, N_CHUNKS, BLOCK_N, TP)
-                u = _iq4_union_rows(wv, row_u, x_ptr, x_rows, cnt, stride_x, N_CHUNKS, BLOCK_N, TP)
+            on_cpu = False
+        if on_cpu:
+            if not GATE_UP:
+                tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :],
+                         tl.zeros([TP, BLOCK_N], tl.float32), mask=valid[:, None] & mask_n[None, :])
+        else:
+            # a cached expert is read from its slot, a missed one from host memory (host_delta words away)
+            base = tl.where(s >= 0, s * expert_words, host_delta + e.to(tl.int64) * expert_words) + part_words
+            row_w = base + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_words
+            # a missed expert reads its activations x_miss_delta elements away (their rounded copy) when given
+            xb = x_ptr + tl.where(s < 0, x_miss_delta, 0)
+            if GATE_UP:
+                x_rows = rows // n_used
             else:
-                g = _expert_rows_union(wv, lut_ptr, row_w, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE, A,
-                                       B, C, N_CHUNKS, BLOCK_N, TP)
-                u = _expert_rows_union(wv, lut_ptr, row_u, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE, A,
-                                       B, C, N_CHUNKS, BLOCK_N, TP)
-            out = g / (1.0 + tl.exp(-g)) * u
-        elif FAST == 1 and QTYPE == 23:
-            g = _iq4_union_rows(wv, row_w, x_ptr, x_rows, cnt, stride_x, N_CHUNKS, BLOCK_N, TP)
-        else:
-            g = _expert_rows_union(wv, lut_ptr, row_w, x_ptr, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE, A, B, C,
-                                   N_CHUNKS, BLOCK_N, TP)
-        if not GATE_UP:
-            out = g * tl.load(wts_ptr + rows, mask=valid, other=0.0)[:, None]
-        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :], out,
-                 mask=valid[:, None] & mask_n[None, :])
+                x_rows = rows
+            if GATE_UP:
+                row_u = row_w + n_out.to(tl.int64) * row_words      # the up rows follow the gate rows
+                if FAST == 1 and QTYPE == 23 and PAIRED:
+                    # gate and up rows in one loop, each chunk decoded once for every row of the expert
+                    gu = _iq4_union_rows(wv, tl.reshape(tl.join(row_w, row_u), [2 * BLOCK_N]), xb, x_rows, cnt,
+                                         stride_x, N_CHUNKS, 2 * BLOCK_N, TP)
+                    g, u = tl.split(tl.reshape(gu, [TP, BLOCK_N, 2]))
+                elif FAST == 1 and QTYPE == 23:
+                    g = _iq4_union_rows(wv, row_w, xb, x_rows, cnt, stride_x, N_CHUNKS, BLOCK_N, TP)
+                    u = _iq4_union_rows(wv, row_u, xb, x_rows, cnt, stride_x, N_CHUNKS, BLOCK_N, TP)
+                else:
+                    g = _expert_rows_union(wv, lut_ptr, row_w, xb, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE,
+                                           A, B, C, N_CHUNKS, BLOCK_N, TP)
+                    u = _expert_rows_union(wv, lut_ptr, row_u, xb, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE,
+                                           A, B, C, N_CHUNKS, BLOCK_N, TP)
+                out = g / (1.0 + tl.exp(-g)) * u
+            elif FAST == 1 and QTYPE == 23:
+                g = _iq4_union_rows(wv, row_w, xb, x_rows, cnt, stride_x, N_CHUNKS, BLOCK_N, TP)
+            else:
+                g = _expert_rows_union(wv, lut_ptr, row_w, xb, x_rows, cnt, stride_x, n_in, n_blocks, QTYPE, A, B,
+                                       C, N_CHUNKS, BLOCK_N, TP)
+            if not GATE_UP:
+                out = g * tl.load(wts_ptr + rows, mask=valid, other=0.0)[:, None]
+            tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :], out,
+                     mask=valid[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -407,14 +438,17 @@ def _expert_rows_union(wv, lut_ptr, row_w, x_ptr, x_rows, cnt, stride_x, n_in, n
 def experts_union(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
                   n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
                   gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
-                  reads: "Tensor | None" = None) -> Tensor:
+                  reads: "Tensor | None" = None, cpu_share: int = 0, x_miss: "Tensor | None" = None) -> Tensor:
     """:func:`experts` for the R = T x n_used rows of a T-token step, each
     distinct expert read once (from its slot or from host memory) for all
     the rows routed to it: the program of the first row of an expert
     computes every row of that expert, the others do nothing. ``reads``
     (int32 [R], optional): 1 where a row's program read its expert, else 0
-    (their sum is the number of distinct experts read). The CPU's share of
-    the misses (runtime.split) does not apply: every row is computed here."""
+    (their sum is the number of distinct experts read). ``cpu_share``
+    (0..256): the experts that runtime.split's union rule gives the CPU (the
+    last of the step's distinct missed experts, in order of their first
+    row) are skipped, their down rows written as zeros; ``x_miss`` as for
+    :func:`experts`."""
     fmt = _FORMATS[qtype]
     values, size = BLOCK_GEOMETRY[qtype]
     n_blocks = row_bytes // size
@@ -427,11 +461,11 @@ def experts_union(words: Tensor, qtype: GGMLType, host_delta: int, part_words: i
         words, _lut(qtype, fmt, words), slot_of, ids, out if weights is None else weights, x, out,
         ids if reads is None else reads,
         host_delta, part_words, n_out, n_blocks * values, n_blocks, row_bytes // word, expert_words, n_used, n_rows,
-        x.stride(0), out.stride(0),
+        x.stride(0), out.stride(0), int(cpu_share), _delta(x, x_miss),
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
         BLOCK_N=block_n, GATE_UP=gate_up, RP=triton.next_power_of_2(n_rows),
         TP=triton.next_power_of_2(max(1, n_rows // n_used)), LOG_READS=reads is not None, FAST=_decode_code(mode),
-        PAIRED=PAIRED[mode], num_warps=warps)
+        PAIRED=PAIRED[mode], SPLIT=cpu_share > 0, num_warps=warps)
     return out
 
 
@@ -459,13 +493,14 @@ def _n_cpu(ids_ptr, slot_of_ptr, n_used, cpu_share, KP: tl.constexpr):
 
 
 @triton.jit
-def _post_kernel(xn_ptr, ids_ptr, wts_ptr, slot_of_ptr, serial_ptr, box_ptr, flag_ptr, n, n_used, cpu_share,
-                 KP: tl.constexpr, BLOCK: tl.constexpr):
+def _post_kernel(xn_ptr, ids_ptr, wts_ptr, slot_of_ptr, serial_ptr, box_ptr, flag_ptr, rows_ptr, n, n_used,
+                 cpu_share, KP: tl.constexpr, BLOCK: tl.constexpr):
     kk = tl.arange(0, KP)
     km = kk < n_used
     e, miss, n_cpu = _n_cpu(ids_ptr, slot_of_ptr, n_used, cpu_share, KP)
     serial = tl.load(serial_ptr)
     if n_cpu > 0:
+        tl.store(rows_ptr, tl.full([], 1, tl.int64))           # one row (a T-row step may have posted more)
         tl.store(box_ptr + kk, e.to(tl.float32), mask=km)
         tl.store(box_ptr + n_used + kk, tl.load(wts_ptr + kk, mask=km, other=0.0), mask=km)
         tl.store(box_ptr + 2 * n_used + kk, miss.to(tl.float32), mask=km)
@@ -501,29 +536,90 @@ def _wait_kernel(ids_ptr, slot_of_ptr, serial_ptr, done_ptr, res_ptr, out_ptr, e
             tl.store(out_ptr + o, tl.zeros([BLOCK], tl.float32), mask=o < n)
 
 
+@triton.jit
+def _post_rows_kernel(xn_ptr, ids_ptr, wts_ptr, slot_of_ptr, serial_ptr, box_ptr, flag_ptr, rows_ptr, n, n_rows,
+                      n_tok, stride_x, cpu_share, RP: tl.constexpr, BLOCK: tl.constexpr):
+    # a T-row step: the n_rows = T x K rows' ids, weights and miss flags, the T activations, T, then the flag
+    idx, inr, e, miss, dm, n_d, n_cpu = _union_n_cpu(ids_ptr, slot_of_ptr, n_rows, cpu_share, RP)
+    serial = tl.load(serial_ptr)
+    if n_cpu > 0:
+        tl.store(box_ptr + idx, e.to(tl.float32), mask=inr)
+        tl.store(box_ptr + n_rows + idx, tl.load(wts_ptr + idx, mask=inr, other=0.0), mask=inr)
+        tl.store(box_ptr + 2 * n_rows + idx, miss.to(tl.float32), mask=inr)
+        for t in range(0, n_tok):
+            for c in range(0, n, BLOCK):
+                o = c + tl.arange(0, BLOCK)
+                tl.store(box_ptr + 3 * n_rows + t * n + o, tl.load(xn_ptr + t * stride_x + o, mask=o < n, other=0.0),
+                         mask=o < n)
+        tl.store(rows_ptr, n_tok.to(tl.int64))
+    n_cpu = _fence_sys(n_cpu)
+    tl.debug_barrier()
+    tl.store(flag_ptr, serial * 256 + n_cpu.to(tl.int64))
+
+
+@triton.jit
+def _wait_rows_kernel(ids_ptr, slot_of_ptr, serial_ptr, done_ptr, res_ptr, out_ptr, err_ptr, n, n_rows, n_tok,
+                      stride_out, cpu_share, max_spin, RP: tl.constexpr, BLOCK: tl.constexpr):
+    idx, inr, e, miss, dm, n_d, n_cpu = _union_n_cpu(ids_ptr, slot_of_ptr, n_rows, cpu_share, RP)
+    serial = tl.load(serial_ptr)
+    if n_cpu > 0:
+        d = tl.load(done_ptr, volatile=True)
+        i = 0
+        while (d != serial) & (i < max_spin):
+            d = tl.load(done_ptr, volatile=True)
+            i += 1
+        ok = _fence_sys((d == serial).to(tl.int32))
+        if ok == 0:
+            tl.store(err_ptr, 1)
+        for t in range(0, n_tok):
+            for c in range(0, n, BLOCK):
+                o = c + tl.arange(0, BLOCK)
+                v = tl.load(res_ptr + t * n + o, mask=o < n, other=0.0, volatile=True)
+                tl.store(out_ptr + t * stride_out + o, tl.where(ok != 0, v, 0.0), mask=o < n)
+    else:
+        for t in range(0, n_tok):
+            for c in range(0, n, BLOCK):
+                o = c + tl.arange(0, BLOCK)
+                tl.store(out_ptr + t * stride_out + o, tl.zeros([BLOCK], tl.float32), mask=o < n)
+
+
 # the GPU gives up waiting for the CPU after this many reads of the done word (~1 us each over PCIe)
 MAX_SPIN = 20_000_000
 
 
 def post_misses(split, il: int, xn: Tensor, ids: Tensor, wts: Tensor, slot_of: Tensor, serial: Tensor) -> None:
     """Hand layer ``il``'s CPU share of the misses to the CPU worker (one
-    token: ``xn`` [D], ``ids``/``wts`` [K])."""
+    token: ``xn`` [D], ``ids``/``wts`` [K]; a T-row step: ``xn`` [T, D],
+    ``ids``/``wts`` [T K], split by the union rule)."""
     if _INTERPRET:
         from .engine_ops import post_misses_ref
 
         return post_misses_ref(split, il, xn, ids, wts, slot_of, serial)
+    if xn.dim() == 2 and ids.numel() > split.n_used:
+        n_tok, n = xn.shape
+        _post_rows_kernel[(1,)](xn, ids, wts, slot_of, serial, split.box_ptr(il), split.flag_ptr(il),
+                                split.rows_ptr(il), n, ids.numel(), n_tok, xn.stride(0), split.share,
+                                RP=triton.next_power_of_2(ids.numel()), BLOCK=1024, num_warps=4)
+        return
     n = xn.numel()
-    _post_kernel[(1,)](xn, ids, wts, slot_of, serial, split.box_ptr(il), split.flag_ptr(il), n, ids.numel(),
-                       split.share, KP=triton.next_power_of_2(ids.numel()), BLOCK=1024, num_warps=4)
+    _post_kernel[(1,)](xn, ids, wts, slot_of, serial, split.box_ptr(il), split.flag_ptr(il), split.rows_ptr(il), n,
+                       ids.numel(), split.share, KP=triton.next_power_of_2(ids.numel()), BLOCK=1024, num_warps=4)
 
 
 def wait_misses(split, il: int, ids: Tensor, slot_of: Tensor, serial: Tensor, out: Tensor) -> None:
-    """Layer ``il``'s CPU result into ``out`` [D] (zeros when the CPU had
-    nothing to do), waiting for the worker's done word."""
+    """Layer ``il``'s CPU result into ``out`` ([D], or [T, D] with any row
+    stride for a T-row step; zeros when the CPU had nothing to do), waiting
+    for the worker's done word."""
     if _INTERPRET:
         from .engine_ops import wait_misses_ref
 
         return wait_misses_ref(split, il, ids, slot_of, serial, out)
+    if out.dim() == 2 and ids.numel() > split.n_used:
+        n_tok, n = out.shape
+        _wait_rows_kernel[(1,)](ids, slot_of, serial, split.done_ptr(il), split.result_ptr(il), out, split.err_ptr(),
+                                n, ids.numel(), n_tok, out.stride(0), split.share, MAX_SPIN,
+                                RP=triton.next_power_of_2(ids.numel()), BLOCK=1024, num_warps=4)
+        return
     _wait_kernel[(1,)](ids, slot_of, serial, split.done_ptr(il), split.result_ptr(il), out, split.err_ptr(),
                        out.numel(), ids.numel(), split.share, MAX_SPIN, KP=triton.next_power_of_2(ids.numel()),
                        BLOCK=1024, num_warps=4)

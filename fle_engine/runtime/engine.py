@@ -51,7 +51,7 @@ from ..loader import Weights
 from . import qwen3moe, qwen3next, qwen4exp
 from .cache import ExpertCache
 from .prefill import Prefill, prefill_bytes
-from .split import SHARE_ONE, MissSplit, cpu_experts, parse_split
+from .split import SHARE_ONE, MissSplit, cpu_experts, parse_split, split_bytes
 from .split import cpu_threads as split_threads
 from .weights import HostExperts
 
@@ -98,6 +98,23 @@ class RunStats:
     gen_seconds: float = 0.0
     launch_seconds: float = 0.0
     replay_seconds: float = 0.0        # of which the graph replays (or eager steps) themselves
+    # T-row steps (verify, batched lanes): bytes of missed experts the steps read over PCIe and on the CPU
+    # (each distinct missed expert of a layer once, split by runtime.split's union rule), against the sum over
+    # their tokens (what one-token steps would read, split by the one-token rule)
+    multi_steps: int = 0
+    multi_tokens: int = 0
+    multi_pcie_bytes: int = 0
+    multi_cpu_bytes: int = 0
+    multi_pcie_bytes_sum: int = 0
+    multi_cpu_bytes_sum: int = 0
+
+    def multi_summary(self) -> str:
+        """The T-row steps' miss bytes per step against the per-token sum."""
+        n = max(self.multi_steps, 1)
+        mb = 1e6 * n
+        return (f"T-row steps: {self.multi_steps} ({self.multi_tokens} rows), missed experts per step "
+                f"{self.multi_pcie_bytes / mb:.1f} MB over PCIe + {self.multi_cpu_bytes / mb:.1f} MB on the CPU "
+                f"(per-token sum {self.multi_pcie_bytes_sum / mb:.1f} + {self.multi_cpu_bytes_sum / mb:.1f} MB)")
 
     def summary(self, cache) -> str:
         st = cache.stats
@@ -350,6 +367,8 @@ class Engine:
         """The CPU's share of the misses (``--miss-split``), measured for
         ``auto``; nothing to split when every layer's experts are cached."""
         a = self.args
+        if self._lanes is not None:
+            self._bst.miss_q8 = self.state.miss_q8
         share = parse_split(spec)
         layers = [il for il in self.net.layouts if self.cache.slots_per_layer[il] < a.n_expert]
         if not layers:
@@ -366,8 +385,14 @@ class Engine:
         if share == "auto":
             share = self._measure_split(cpu, layers[0])
         if share:
+            # room for the rows of the verify step and of the batched step of several sequences
+            t_max = min(max(VERIFY_MAX, self.n_seq), 255 // a.n_expert_used)
             self.split = self.state.split = MissSplit(cpu, layers, a.n_embd, a.n_expert_used, share, self.cuda,
-                                                      self.log)
+                                                      self.log, t_max=t_max)
+            for rec in self._lanes or ():           # every lane's steps and the batched step share the counter
+                rec.state.split = self.split
+            if self._lanes is not None:
+                self._bst.split, self._bst.serial = self.split, self.state.serial
             self.log(f"misses: {share / SHARE_ONE:.0%} computed on the CPU ({cpu.name} kernels), the rest read "
                      f"by the GPU over PCIe")
 
@@ -932,6 +957,7 @@ class Engine:
         self.stats.launch_seconds += time.perf_counter() - t0
         hits = self._b_hits[:, :n * k].numpy()
         self.cache.observe(self._b_ids[:, :n * k].numpy(), hits)
+        self._count_multi(self._b_ids[:, :n * k].numpy(), hits, n)
         self.step_hits.append(int(hits.sum()))
         nxt = self._b_next[:n].tolist()
         for j, i in enumerate(ls):
@@ -1096,8 +1122,11 @@ class Engine:
         qwen3next with its GDN layers run token by token inside the step and
         their states snapshotted for :meth:`rewind`), one CUDA graph per T (captured on first use) with CUDA and graphs.
         The step's routed ids (T x K per layer, repeats counted) and hit
-        flags go to the cache policy as one step, synchronously; every miss
-        is read by the GPU (no CPU share of the misses in a verify step)."""
+        flags go to the cache policy as one step, synchronously. With the
+        misses split (``miss_split``) the CPU computes its share of each
+        layer's distinct missed experts for all the rows routed to them
+        (runtime.split's union rule), the GPU reads the rest over PCIe;
+        ``stats.multi_*`` count the bytes."""
         toks = [int(t) for t in tokens]
         n = len(toks)
         if not 1 <= n <= VERIFY_MAX:
@@ -1132,6 +1161,7 @@ class Engine:
         self.consumed += n
         self.length = self.launched + 1
         self.cache.observe(self._multi_ids[:, :n * k].numpy(), self._multi_hits[:, :n * k].numpy())
+        self._count_multi(self._multi_ids[:, :n * k].numpy(), self._multi_hits[:, :n * k].numpy(), n)
         self._multi_at = (self.launched, n)        # what a rewind of a recurrent net may undo
         return self._multi_tok_out[:n].tolist()
 
@@ -1176,6 +1206,26 @@ class Engine:
         return generate(self, prompt, n_predict, stop or (), n_draft=n_draft, sampler=sampler, stats=stats,
                         vocab=vocab, adaptive=adaptive)
 
+    def _layer_bytes(self) -> list:
+        lays = self.net.layouts
+        return [lays[il].expert_bytes if il in lays else 0 for il in range(self.args.n_layer)]   # ids_log row = layer
+
+    def miss_bytes(self, ids, hits, n_rows: int) -> dict:
+        """:func:`~fle_engine.runtime.split.split_bytes` of a T-row step's
+        routing log with this engine's share of the misses (0: all over PCIe)."""
+        share = self.split.share if self.split is not None and self.split.rows_fit(n_rows) else 0
+        return split_bytes(ids, hits, self._layer_bytes(), self.args.n_expert_used, share)
+
+    def _count_multi(self, ids, hits, n_rows: int) -> None:
+        b = self.miss_bytes(ids, hits, n_rows)
+        st = self.stats
+        st.multi_steps += 1
+        st.multi_tokens += n_rows
+        st.multi_pcie_bytes += b["pcie"]
+        st.multi_cpu_bytes += b["cpu"]
+        st.multi_pcie_bytes_sum += b["pcie_sum"]
+        st.multi_cpu_bytes_sum += b["cpu_sum"]
+
     def step_cost(self, n_tok: int, reps: int = 20, seed: int = 0) -> dict:
         """The T = ``n_tok`` step measured at the current position with the
         cache as it is (no policy steps): ``seconds`` per replay (mean over
@@ -1183,7 +1233,10 @@ class Engine:
         missed experts read over PCIe: ``pcie_bytes_union`` (each distinct
         missed expert of a layer once, what the step reads) against
         ``pcie_bytes_sum`` (the sum over tokens, what T one-token steps
-        would read), with ``miss_rows`` and ``distinct_misses``. The tokens
+        would read), with ``miss_rows`` and ``distinct_misses``; with the
+        misses split (``miss_share``) the step's ``pcie_bytes`` and
+        ``cpu_bytes`` (the union rule) against ``pcie_bytes_tokens`` and
+        ``cpu_bytes_tokens`` (each token by the one-token rule). The tokens
         are random, new ones each replay; the position is put back after
         each, so the sequence is left as it was (positions from the current
         one on are overwritten, as a later step would)."""
@@ -1227,11 +1280,13 @@ class Engine:
         if self.cuda:
             torch.cuda.synchronize(dev)
         seconds = (time.perf_counter() - t0) / reps
-        lays = self.net.layouts
-        eb = [lays[il].expert_bytes if il in lays else 0 for il in range(a.n_layer)]    # ids_log row = layer
+        eb = self._layer_bytes()
         ids_h, hits_h = ids[:reps].cpu().numpy(), hits[:reps].cpu().numpy()
         union = total = rows = distinct = 0.0
+        sides = dict(pcie=0, cpu=0, pcie_sum=0, cpu_sum=0)
         for i in range(reps):
+            for key, v in self.miss_bytes(ids_h[i], hits_h[i], n).items():
+                sides[key] += v
             for li in range(ids_h.shape[1]):
                 missed = ids_h[i, li][hits_h[i, li] == 0]
                 n_distinct = len(np.unique(missed))
@@ -1241,6 +1296,9 @@ class Engine:
                 union += n_distinct * eb[li]
         return {"tokens": n, "seconds": seconds, "pcie_bytes_union": union / reps, "pcie_bytes_sum": total / reps,
                 "miss_rows": rows / reps, "distinct_misses": distinct / reps,
+                "miss_share": self.split.share / SHARE_ONE if self.split is not None else 0.0,
+                "pcie_bytes": sides["pcie"] / reps, "cpu_bytes": sides["cpu"] / reps,
+                "pcie_bytes_tokens": sides["pcie_sum"] / reps, "cpu_bytes_tokens": sides["cpu_sum"] / reps,
                 "hit_rate": float(hits_h.mean()) if hits_h.size else 1.0}
 
     def close(self) -> None:

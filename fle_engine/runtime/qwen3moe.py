@@ -14,7 +14,8 @@ buffers) are methods that :mod:`.qwen3next` reuses.
 :meth:`Net.step_multi` is the verify step of drafted decoding: T tokens at
 positions pos .. pos + T - 1 in one pass (the same launches per layer with
 T rows; attention causal within the step; each distinct routed expert of
-the step read once for all its tokens), qwen3moe's layers only.
+the step read once for all its tokens, the CPU's share of the distinct
+misses computed on the CPU when they are split), qwen3moe's layers only.
 """
 from __future__ import annotations
 
@@ -517,6 +518,10 @@ class Net:
             m.sg = torch.zeros(t_max, a.n_ff_shexp, **f32)
             m.su = torch.zeros(t_max, a.n_ff_shexp, **f32)
             m.sgate = torch.zeros(t_max, 1, **f32)
+        # with the misses split (runtime.split): [K routed (the CPU's rows zero) (+ shared), the CPU's sum] per
+        # row, summed in the decode step's order; and the rows rounded for the misses (--miss-activations q8)
+        m.xparts = torch.zeros(t_max, k + self._n_sh + 1, a.n_embd, **f32)
+        m.xq = torch.zeros(t_max, a.n_embd, **f32)
         m.logits = torch.zeros(t_max, a.n_vocab, **f32)
         # per layer the routed ids of all T tokens (row-major [T, K]) and whether the map had them
         m.ids_log = torch.zeros(a.n_layer, t_max * k, dtype=torch.int32, device=dev)
@@ -567,10 +572,22 @@ class Net:
         """The layer's token mixer for T tokens: m.xn [T, D] -> m.attn_out."""
         self.attention_multi(L.mixer, il, state, ops, n)
 
+    @staticmethod
+    def multi_share(state, il: int, n: int) -> int:
+        """The CPU's share of layer ``il``'s misses in a T-row step (0: none)."""
+        split = getattr(state, "split", None)
+        if split is None or il not in split.index or not split.rows_fit(n):
+            return 0
+        return split.share
+
     def moe_multi(self, mo: Moe, il: int, state, ops, cache, n: int) -> None:
         """m.xn [T, D] -> m.y [T, K, D]: the weighted routed experts of the T
         tokens, each distinct expert read once (from its slot, or from host
-        memory when missed) for every token routed to it."""
+        memory when missed) for every token routed to it. With the misses
+        split (runtime.split) the CPU computes the last of the step's
+        distinct missed experts (the union rule) for all their rows while
+        the GPU computes the rest; the parts go to m.xparts [T, K (+1) + 1, D]
+        with the CPU's per-row sums last."""
         a, m = self.args, state.multi
         k, lay = a.n_expert_used, mo.layout
         xn = m.xn[:n]
@@ -579,27 +596,55 @@ class Net:
         ops.route_topk(m.router[:n], k, a.expert_weights_scale, smap, m.ids[:n], m.wts[:n],
                        m.ids_log[il, :n * k].view(n, k), m.hit_log[il, :n * k].view(n, k))
         ids, wts, h, y = m.ids[:n].view(-1), m.wts[:n].view(-1), m.h[:n * k], m.y[:n].view(n * k, -1)
+        split = getattr(state, "split", None)
+        share = self.multi_share(state, il, n)
+        if share:
+            ops.post_misses(split, il, xn, ids, wts, smap, state.serial)
+        q8 = getattr(state, "miss_q8", False)
+        xq = m.xq[:n] if q8 else None
+        if q8:
+            ops.round_acts(xn, DOT_TYPE[lay.gu_type] == GGMLType.Q8_K, xq)
+        kw = dict(cpu_share=share) if share else {}
         if state.fast:
             words, delta = cache.words(il, lay.gu_type)
             ops.experts_union(words, lay.gu_type, delta, 0, lay.expert_bytes // words.element_size(), lay.n_ff,
-                              lay.gu_row_bytes, smap, ids, xn, h, True, k, mode=cache.mode)
+                              lay.gu_row_bytes, smap, ids, xn, h, True, k, mode=cache.mode, x_miss=xq, **kw)
+            if q8:
+                ops.round_acts(h, DOT_TYPE[lay.down_type] == GGMLType.Q8_K, h, ids, smap)
             words, delta = cache.words(il, lay.down_type)
             wsz = words.element_size()
             ops.experts_union(words, lay.down_type, delta, lay.down_offset // wsz, lay.expert_bytes // wsz, a.n_embd,
-                              lay.down_row_bytes, smap, ids, h, y, False, k, wts, mode=cache.mode)
+                              lay.down_row_bytes, smap, ids, h, y, False, k, wts, mode=cache.mode, **kw)
         else:
             st = cache.reference_store(il, lay.gu_type)
-            ops.experts_union(st, lay.gu_type, 0, 0, 0, lay.n_ff, lay.gu_row_bytes, smap, ids, xn, h, True, k)
+            ops.experts_union(st, lay.gu_type, 0, 0, 0, lay.n_ff, lay.gu_row_bytes, smap, ids, xn, h, True, k,
+                              x_miss=xq, **kw)
+            if q8:
+                ops.round_acts(h, DOT_TYPE[lay.down_type] == GGMLType.Q8_K, h, ids, smap)
             st = cache.reference_store(il, lay.down_type)
             ops.experts_union(st, lay.down_type, 0, lay.down_offset // st.word, 0, a.n_embd, lay.down_row_bytes,
-                              smap, ids, h, y, False, k, wts)
-        if mo.shared is not None:
+                              smap, ids, h, y, False, k, wts, **kw)
+        if split is not None:
+            parts = m.xparts[:n]
+            parts[:, :k].copy_(m.y[:n])
+            if mo.shared is not None:
+                self.shared_expert(mo, xn, m.sg[:n], m.su[:n], m.sgate[:n], parts[:, k], self.impl(state))
+            elif self._n_sh:
+                parts[:, k].zero_()           # the parts are summed as one range
+            row = parts[:, k + self._n_sh]
+            if share:
+                ops.wait_misses(split, il, ids, smap, state.serial, row)
+            else:
+                row.zero_()
+        elif mo.shared is not None:
             m.parts[:n, :k].copy_(m.y[:n])
             self.shared_expert(mo, xn, m.sg[:n], m.su[:n], m.sgate[:n], m.parts[:n, k], self.impl(state))
 
     def multi_parts(self, mo: Moe, state, n: int) -> Tensor:
-        """The parts that :meth:`moe_multi` wrote for T tokens: [T, K (+1), D]."""
+        """The parts that :meth:`moe_multi` wrote for T tokens: [T, K (+1) (+1), D]."""
         m = state.multi
+        if getattr(state, "split", None) is not None:
+            return m.xparts[:n]
         return m.parts[:n] if mo.shared is not None else m.y[:n]
 
     def embed_multi(self, state, ops, n: int) -> None:
@@ -625,10 +670,14 @@ class Net:
 
     @staticmethod
     def begin_rows(state, n: int) -> None:
-        """A batched step: each row's position read from its lane's (``state.lane_pos`` [N])."""
+        """The start of a T-row step: in a batched step each row's position
+        read from its lane's (``state.lane_pos`` [N]); with the misses split
+        the step counter advanced."""
         rows = getattr(state, "rows", None)
         if rows is not None:
             torch.index_select(state.lane_pos, 0, rows[:n], out=state.row_pos[:n])
+        if getattr(state, "split", None) is not None:
+            state.serial.add_(1)          # a step of its own for the CPU worker (runtime.split)
 
     @staticmethod
     def advance(state, n: int) -> None:
@@ -647,8 +696,10 @@ class Net:
         ``state.multi.logits[:n]`` and the greedy token after each into
         ``state.next_toks[:n]``, and advances pos by n. Token t's logits
         equal those of a one-token step at position pos + t fed the same
-        tokens (up to the order of float sums). Every missed expert is read
-        by the GPU here (no CPU share, runtime.split).
+        tokens (up to the order of float sums). With the misses split
+        (runtime.split) the CPU computes its share of each layer's distinct
+        missed experts (the union rule, :meth:`moe_multi`), else every
+        missed expert is read by the GPU.
 
         The batched step of several sequences (lanes) is this step on a
         state whose ``rows`` [T] names each row's lane: ``state.kv`` holds

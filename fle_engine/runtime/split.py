@@ -25,6 +25,20 @@ two finish together: ``auto`` measures both bandwidths at start for this
 machine and file. A wait that never ends (a dead worker) times out in the
 kernel, raises an error flag and is reported as an error, not a hang.
 
+A step of T rows (the verify step of drafted decoding, the batched step
+of several sequences: ``Net.step_multi``) reads each distinct routed expert
+of the step once for all rows routed to it, and splits by the same rule
+over those distinct experts (:func:`union_cpu`): the layer's distinct
+missed experts, ordered by the first row (row-major [T, K]) that routes to
+each, give the CPU the last ``cpu_count(n_distinct, share)`` of them; the
+CPU computes each of its experts once for every row routed to it (one read
+of its weights, T activations) and hands back one weighted sum per row
+(that row's CPU experts in routing order from zero), which the GPU adds to
+the row as its last residual part. With T = 1 this is the one-token rule.
+The mailbox has room for ``t_max`` rows: the post writes T into the layer's
+``rows`` word and the box holds ids, weights and miss flags of the T x K
+rows, then the T activations; the result holds T rows.
+
 Without CUDA (the reference side, tests) the same rule runs synchronously:
 the post computes the CPU share at once.
 """
@@ -42,7 +56,7 @@ from fle_quant.errors import FleError
 from ..kernels.cpu_experts.team import Team, load_acquire as _load_acquire, store_release as _store_release
 from .weights import PageLocked
 
-__all__ = ["SHARE_ONE", "cpu_count", "parse_split", "MissSplit", "CpuExperts", "cpu_experts"]
+__all__ = ["SHARE_ONE", "cpu_count", "union_cpu", "split_bytes", "parse_split", "MissSplit", "CpuExperts", "cpu_experts"]
 
 SHARE_ONE = 256
 
@@ -50,6 +64,46 @@ SHARE_ONE = 256
 def cpu_count(n_miss, share):
     """The rule: how many of a token's ``n_miss`` misses the CPU computes."""
     return (n_miss * share + 128) // SHARE_ONE
+
+
+def union_cpu(ids, miss, share):
+    """The rule for the R = T x K rows of a step (row-major ``ids`` [R],
+    ``miss`` bool [R]): (the distinct missed experts in order of the first
+    row routed to each, the CPU's experts: the last ``cpu_count(n, share)``
+    of them). T = 1: a token's misses, the CPU's the last in routing order."""
+    seen, order = set(), []
+    for e, m in zip((int(v) for v in ids), (bool(v) for v in miss)):
+        if e not in seen:
+            seen.add(e)
+            if m:
+                order.append(e)
+    n_cpu = cpu_count(len(order), share) if share else 0
+    return order, order[len(order) - n_cpu:] if n_cpu else []
+
+
+def split_bytes(ids, hits, expert_bytes, n_used: int, share: int) -> dict:
+    """Bytes of missed experts that a T-row step reads, from its routing log
+    (``ids``, ``hits`` [L, T K] per layer, ``expert_bytes`` [L]), against
+    the sum over its T tokens (what T one-token steps read): ``pcie`` and
+    ``cpu`` (the step: each distinct missed expert once, split by
+    :func:`union_cpu`), ``pcie_sum`` and ``cpu_sum`` (each token alone, split
+    by the one-token rule)."""
+    out = dict(pcie=0, cpu=0, pcie_sum=0, cpu_sum=0)
+    ids, hits = np.asarray(ids), np.asarray(hits)
+    for li in range(ids.shape[0]):
+        eb = int(expert_bytes[li])
+        if not eb:
+            continue
+        miss = hits[li] == 0
+        order, mine = union_cpu(ids[li], miss, share)
+        out["cpu"] += len(mine) * eb
+        out["pcie"] += (len(order) - len(mine)) * eb
+        for t in range(ids.shape[1] // n_used):
+            n_miss = int(miss[t * n_used:(t + 1) * n_used].sum())
+            c = cpu_count(n_miss, share) if share else 0
+            out["cpu_sum"] += c * eb
+            out["pcie_sum"] += (n_miss - c) * eb
+    return out
 
 
 def cpu_threads() -> int:
@@ -157,6 +211,19 @@ class CpuExperts:
                           np.ascontiguousarray(weights, np.float32).reshape(1, -1), tmp, self._ce.CHUNK)
         out += tmp[0]
 
+    def ffn_rows(self, il: int, ids: np.ndarray, weights: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+        """The experts of T rows at once: ``ids`` int64 [T, K] (negative: not
+        here), ``weights`` [T, K], ``x`` [T, D] -> ``out`` [T, D] (written):
+        each distinct expert read once for all its rows, row t the sum over
+        its experts in routing order from zero."""
+        lay = self.layouts[il]
+        out[:] = 0.0
+        if not (ids >= 0).any():
+            return
+        self._forward[il](self._views[il], lay, np.ascontiguousarray(x, np.float32),
+                          np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(weights, np.float32), out,
+                          self._ce.CHUNK)
+
 
 def cpu_experts(host, layouts, impl: str = "auto"):
     """The CPU expert forward for ``impl`` (a backend of the CPU kernels'
@@ -182,42 +249,64 @@ class MissSplit(PageLocked):
     """The mailbox, the worker and the share of one engine.
 
     ``layers``: the layers whose misses are split (those that can miss);
-    ``share``: the CPU's share of the misses, 0..256."""
+    ``share``: the CPU's share of the misses, 0..256; ``t_max``: the most
+    rows of one step (the one-token step: 1; the verify step and the
+    batched step of several sequences: more)."""
 
-    def __init__(self, cpu, layers, n_embd: int, n_used: int, share: int, cuda: bool, log=print):
+    def __init__(self, cpu, layers, n_embd: int, n_used: int, share: int, cuda: bool, log=print, t_max: int = 1):
         self.cpu, self.layers = cpu, sorted(layers)
         self.index = {il: i for i, il in enumerate(self.layers)}
         self.n_embd, self.n_used, self.share = int(n_embd), int(n_used), int(share)
+        self.t_max = max(1, int(t_max))
         self.cuda, self.log = cuda, log
-        L, K, D = len(self.layers), self.n_used, self.n_embd
-        self.box_words = 3 * K + D
-        words = 2 * 8 + 2 * L * 2 + L * D + L * self.box_words     # stop/err, flags/done (int64), results, boxes
+        L, K, D, TM = len(self.layers), self.n_used, self.n_embd, self.t_max
+        self.box_words = TM * (3 * K + D)
+        # stop/err, flags/done/rows (int64), results, boxes
+        words = 2 * 8 + 3 * L * 2 + L * TM * D + L * self.box_words
         self.buf = np.zeros(words + 64, np.float32)
         if cuda:
             self.lock("the CPU-miss mailbox", "run with --miss-split gpu")
-        i64 = self.buf[:16 + 4 * L].view(np.int64)
+        i64 = self.buf[:16 + 6 * L].view(np.int64)
         self.stop, self.err = i64[0:1], i64[1:2]
         self.flags, self.done = i64[8:8 + L], i64[8 + L:8 + 2 * L]
-        o = 16 + 4 * L
-        self.results = self.buf[o:o + L * D].reshape(L, D)
-        o += L * D
+        self.rows = i64[8 + 2 * L:8 + 3 * L]        # the rows T of the layer's last post
+        self.rows[:] = 1
+        o = 16 + 6 * L
+        self.results = self.buf[o:o + L * TM * D].reshape(L, TM * D)
+        o += L * TM * D
         self.boxes = self.buf[o:o + L * self.box_words].reshape(L, self.box_words)
         self._expect = 1
         self.threads = cpu_threads()
         self._busy, self._experts = 0.0, 0
+        self.trace = None       # a list: (layer, rows, the CPU's experts) of every process() (tests)
         self._thread = self.team = None
         if cuda:
             if cpu.impl in ("ggml", "numba"):
                 host = cpu.host
                 self.team = Team(host.buf, [host.offsets[il] for il in self.layers],
                                  [cpu.layouts[il] for il in self.layers], cpu.impl, self.threads, self.flags,
-                                 self.done, self.boxes, self.results, self.stop, self.n_used)
+                                 self.done, self.boxes, self.results, self.stop, self.n_used, rows=self.rows,
+                                 t_max=TM)
                 self.team.start()
             else:
                 _wait_flag(self.flags, 0, 0, self.stop)      # compile before the first step
                 _signal(self.done, 0, 0)
                 self._thread = threading.Thread(target=self._run, name="fle-cpu-misses", daemon=True)
                 self._thread.start()
+
+    def rows_fit(self, n_rows: int) -> bool:
+        """Whether a step of ``n_rows`` rows fits the mailbox (its CPU count in the flag's low byte)."""
+        return n_rows <= self.t_max and n_rows * self.n_used <= 255
+
+    def box(self, il: int, n_rows: int):
+        """Layer ``il``'s mailbox as (ids, weights, miss flags) [T K] and x [T, D] views."""
+        R, D = n_rows * self.n_used, self.n_embd
+        b = self.boxes[self.index[il]]
+        return b[:R], b[R:2 * R], b[2 * R:3 * R], b[3 * R:3 * R + n_rows * D].reshape(n_rows, D)
+
+    def result(self, il: int, n_rows: int) -> np.ndarray:
+        """Layer ``il``'s CPU sums of ``n_rows`` rows, [T, D] (a view)."""
+        return self.results[self.index[il], :n_rows * self.n_embd].reshape(n_rows, self.n_embd)
 
     @property
     def busy_seconds(self) -> float:
@@ -236,6 +325,9 @@ class MissSplit(PageLocked):
     def done_ptr(self, il):
         return _Mapped(self.done[self.index[il]:].ctypes.data, torch.int64)
 
+    def rows_ptr(self, il):
+        return _Mapped(self.rows[self.index[il]:].ctypes.data, torch.int64)
+
     def err_ptr(self):
         return _Mapped(self.err.ctypes.data, torch.int64)
 
@@ -247,17 +339,22 @@ class MissSplit(PageLocked):
 
     # the CPU's work ------------------------------------------------------------------
     def process(self, il: int, n_cpu: int) -> None:
-        """Compute layer ``il``'s CPU share from its mailbox into its result."""
+        """Compute layer ``il``'s CPU share from its mailbox into its result:
+        the last ``n_cpu`` of the distinct missed experts of its T rows
+        (:func:`union_cpu`), each once for all its rows."""
         t0 = time.perf_counter()
-        K, i = self.n_used, self.index[il]
-        box = self.boxes[i]
-        ids, wts, miss = box[:K].astype(np.int64), box[K:2 * K], box[2 * K:3 * K] > 0.5
-        x = box[3 * K:]
-        mine = np.flatnonzero(miss)[-n_cpu:] if n_cpu > 0 else np.zeros(0, np.int64)
-        out = self.results[i]
-        out[:] = 0.0
-        self.cpu.ffn(il, ids[mine], wts[mine], x, out)
+        i = self.index[il]
+        T = min(max(int(self.rows[i]), 1), self.t_max)
+        ids_f, wts, miss_f, x = self.box(il, T)
+        ids = ids_f.astype(np.int64)
+        order, _ = union_cpu(ids, miss_f > 0.5, 0)
+        mine = order[len(order) - n_cpu:] if n_cpu > 0 else []
+        sel = np.where(np.isin(ids, np.asarray(mine, np.int64)), ids, -1).reshape(T, self.n_used)
+        out = self.result(il, T)
+        self.cpu.ffn_rows(il, sel, wts.reshape(T, self.n_used), x, out)
         self._experts += len(mine)
+        if self.trace is not None:
+            self.trace.append((il, T, tuple(mine)))
         self._busy += time.perf_counter() - t0
 
     def _run(self) -> None:

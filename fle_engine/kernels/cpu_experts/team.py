@@ -13,20 +13,26 @@ The protocol (the mailbox's words are numpy arrays; the GPU writes them in
 the engine, a test's thread in the tests):
 
 - ``flags[i]`` = ``serial * 256 + n_cpu``: layer ``i`` of step ``serial``
-  is posted; its ``box[i]`` holds the token's ``ids``, ``weights``, ``miss``
-  flags (K each, float32) and the normed activation ``x``. The CPU computes
-  the last ``n_cpu`` misses in routing order.
+  is posted for ``rows[i]`` = T rows (1 for a one-token step); its
+  ``box[i]`` holds the rows' ``ids``, ``weights``, ``miss`` flags (T x K
+  each, row-major, float32) and their normed activations ``x`` (T x D).
+  The CPU computes the last ``n_cpu`` of the distinct missed experts in
+  order of the first row routed to each (T = 1: the last ``n_cpu`` misses
+  in routing order), each for every row routed to it.
 - member 0 (the leader) waits for the flags in layer order, as the worker
   of :mod:`fle_engine.runtime.split` did, and publishes each layer with CPU
   work as a job (a generation counter); the other members wait for the
   generation only, so that all members always work on the same job.
-- a job: every member quantizes ``x`` for itself, computes its contiguous
-  share of the gate and up rows of all the job's experts, meets the others
-  at a barrier, makes ``silu(gate) * up`` of every expert (quantized for
-  the down rows) for itself, and computes its share of the output rows:
-  ``out[r] = sum_p w_p * down_p[r] . h_p`` in routing order from zero (the
-  order of :func:`.plan.weighted_sum`, so the result equals the one-call
-  kernels' bit for bit). The leader waits for all members, then stores
+- a job: every member quantizes the T rows of ``x`` for itself, computes
+  its contiguous share of the gate and up rows of all the job's experts
+  (each weight row read once and multiplied by every row routed to the
+  expert), meets the others at a barrier, makes ``silu(gate) * up`` of
+  every (row, expert) pair (quantized for the down rows) for itself, and
+  computes its share of the output rows of every row t:
+  ``out[t, r] = sum_p w_p * down_p[r] . h_p`` over t's pairs in routing
+  order from zero (the order of :func:`.plan.weighted_sum`, so the result
+  equals the one-call kernels' bit for bit); a row without CPU experts
+  gets zeros. The leader waits for all members, then stores
   ``done[i] = serial`` (release).
 - ``stop[0] != 0`` ends every member; idle members sleep 0.1 ms between
   looks after 50 ms without work, so an idle engine does not hold the cores.
@@ -57,7 +63,7 @@ from .rows import arrange, call_rows, layout, rows_address
 __all__ = ["Team", "measure", "load_acquire", "store_release", "fetch_add"]
 
 # job words
-_J_LAYER, _J_NCPU, _J_SERIAL = 0, 1, 2
+_J_LAYER, _J_NCPU, _J_SERIAL, _J_ROWS = 0, 1, 2, 3
 # sync words (each on its own cache line: 8 int64 apart)
 _S_GEN, _S_MID, _S_END = 0, 8, 16
 # statistics
@@ -179,124 +185,183 @@ def _wait_at_least(words, i, target, shift, stop, clk, nap, ts):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _rows(fn, w, stride, r0, r1, nb, xq, xd, xs, arow, orow, out):
-    """Row kernel ``fn`` (.rows) on rows r0..r1 at address w: activation row
-    arow[0] of (xq, xd, xs) into out[orow[0], r0:r1]."""
+def _rows(fn, w, stride, r0, r1, nb, xq, xd, xs, arow, aoff, orow, ooff, nt, out):
+    """Row kernel ``fn`` (.rows) on rows r0..r1 at address w: activation rows
+    arow[aoff:aoff + nt] of (xq, xd, xs) into output rows orow[ooff:ooff + nt]
+    of out (each weight row read once for the nt rows)."""
     call_rows(fn, w, stride, r0, r1, nb, np.int64(xq.ctypes.data), np.int64(xd.ctypes.data),
               np.int64(xs.ctypes.data), xq.shape[0], xq.shape[1], xd.shape[1], xs.shape[1],
-              np.int64(arow.ctypes.data), np.int64(orow.ctypes.data), 1, np.int64(out.ctypes.data), out.shape[1])
+              np.int64(arow.ctypes.data) + 8 * aoff, np.int64(orow.ctypes.data) + 8 * ooff, nt,
+              np.int64(out.ctypes.data), out.shape[1])
 
 
 @njit(nogil=True, cache=True)
-def _job(tid, nthr, kind, p, buf, li, n_cpu, box, K, res, sync, gen, g, u, sel, xq, xq8, xd, xs, hq, hq8, hd, hs,
-         acc, arow, sel2, dn, tmp, h):
-    """One member's part of layer ``li``'s job (module docstring); ``p``:
-    the layer's parameters."""
+def _plan(box, K, T, n_cpu, uexp, prow, ptok, cst, cpl, ctok, tst):
+    """The job's pairs from the mailbox (module docstring): the distinct
+    missed experts of the T x K rows in order of their first row, the last
+    ``n_cpu`` of them the CPU's (``uexp``); a pair for each row routed to
+    one of them, in row order (``prow``: its row, ``ptok``: its token;
+    token t's pairs are ``tst[t]:tst[t + 1]``); expert c's pairs
+    ``cpl[cst[c]:cst[c + 1]]`` (their tokens ``ctok``). -> pairs."""
+    R = T * K
+    n_d = 0
+    for r in range(R):
+        if box[2 * R + r] > 0.5:
+            first = True
+            for q in range(r):
+                if box[q] == box[r]:
+                    first = False
+                    break
+            if first:
+                n_d += 1
+    c = 0
+    m = 0
+    for r in range(R):
+        if box[2 * R + r] > 0.5:
+            first = True
+            for q in range(r):
+                if box[q] == box[r]:
+                    first = False
+                    break
+            if first:
+                if m >= n_d - n_cpu:
+                    uexp[c] = r          # the expert's first row (its id is box[r])
+                    c += 1
+                m += 1
+    n_p = 0
+    for t in range(T):
+        tst[t] = n_p
+        for j in range(K):
+            r = t * K + j
+            for cc in range(n_cpu):
+                if box[uexp[cc]] == box[r]:
+                    prow[n_p] = r
+                    ptok[n_p] = t
+                    n_p += 1
+                    break
+    tst[T] = n_p
+    q = 0
+    for cc in range(n_cpu):
+        cst[cc] = q
+        for p in range(n_p):
+            if box[prow[p]] == box[uexp[cc]]:
+                cpl[q] = p
+                ctok[q] = ptok[p]
+                q += 1
+    cst[n_cpu] = q
+    return n_p
+
+
+@njit(nogil=True, cache=True)
+def _job(tid, nthr, kind, p, buf, li, n_cpu, T, box, K, res, sync, gen, g, u, uexp, prow, ptok, cst, cpl, ctok,
+         tst, xq, xq8, xd, xs, hq, hq8, hd, hs, acc, dn, tmp, h):
+    """One member's part of layer ``li``'s job of T rows (module docstring);
+    ``p``: the layer's parameters."""
     base_off, eb, gu_rb, n_ff = p[_P_OFF], p[_P_EB], p[_P_GU_RB], p[_P_NFF]
     d_off, d_rb, n_embd = p[_P_DOFF], p[_P_D_RB], p[_P_NEMBD]
     gu_code, d_code = p[_P_GU_CODE], p[_P_D_CODE]
-    # the last n_cpu misses in routing order, in routing order
-    n_miss = 0
-    for j in range(K):
-        if box[2 * K + j] > 0.5:
-            n_miss += 1
-    c = 0
-    m = 0
-    for j in range(K):
-        if box[2 * K + j] > 0.5:
-            if m >= n_miss - n_cpu:
-                sel[c] = j
-                c += 1
-            m += 1
-    x = box[3 * K:3 * K + n_embd]
+    R = T * K
+    n_p = _plan(box, K, T, n_cpu, uexp, prow, ptok, cst, cpl, ctok, tst)
     addr = np.int64(buf.ctypes.data) + base_off
-    if kind == KIND_GGML:
-        _call_from_float(p[_P_GU_FF], np.int64(x.ctypes.data), np.int64(xq.ctypes.data), n_embd)
-    else:
-        quantize_row(x, fle_numba.dot_k(gu_code), xd[0], xq8[0, :n_embd], xs[0], tmp)
-        arrange(p[_P_GU_LAY], xq8[0, :n_embd])
-    # gate and up rows: this member's contiguous share of the n_cpu * n_ff
+    for t in range(T):
+        x = box[3 * R + t * n_embd:3 * R + (t + 1) * n_embd]
+        if kind == KIND_GGML:
+            _call_from_float(p[_P_GU_FF], np.int64(x.ctypes.data), np.int64(xq[t].ctypes.data), n_embd)
+        else:
+            quantize_row(x, fle_numba.dot_k(gu_code), xd[t], xq8[t, :n_embd], xs[t], tmp)
+            arrange(p[_P_GU_LAY], xq8[t, :n_embd])
+    # gate and up rows: this member's contiguous share of the n_cpu * n_ff, each for all the expert's pairs
     rows = n_cpu * n_ff
     r0 = tid * rows // nthr
     r1 = (tid + 1) * rows // nthr
     nbg = gu_rb // fle_numba.BLOCK_BYTES[gu_code]
     if kind == KIND_GGML:
         for q in range(r0, r1):
-            pp = q // n_ff
-            r = q - pp * n_ff
-            e = np.int64(box[sel[pp]])
+            cc = q // n_ff
+            r = q - cc * n_ff
+            e = np.int64(box[uexp[cc]])
             wg = e * eb + r * gu_rb
             wu = e * eb + (n_ff + r) * gu_rb
-            _call_vec_dot(p[_P_GU_VD], n_embd, np.int64(g[pp, r:].ctypes.data), addr + wg, np.int64(xq.ctypes.data))
-            _call_vec_dot(p[_P_GU_VD], n_embd, np.int64(u[pp, r:].ctypes.data), addr + wu, np.int64(xq.ctypes.data))
+            for j in range(cst[cc], cst[cc + 1]):
+                pp = cpl[j]
+                xa = np.int64(xq[ctok[j]].ctypes.data)
+                _call_vec_dot(p[_P_GU_VD], n_embd, np.int64(g[pp, r:].ctypes.data), addr + wg, xa)
+                _call_vec_dot(p[_P_GU_VD], n_embd, np.int64(u[pp, r:].ctypes.data), addr + wu, xa)
     else:
-        # the row kernel (.rows) on each expert's part of the share: output row pp of g and u
-        for pp in range(r0 // n_ff, min(n_cpu, (r1 + n_ff - 1) // n_ff)):
-            a = max(r0 - pp * n_ff, 0)
-            b = min(r1 - pp * n_ff, n_ff)
+        # the row kernel (.rows) on each expert's part of the share: its pairs' rows of g and u
+        for cc in range(r0 // n_ff, min(n_cpu, (r1 + n_ff - 1) // n_ff)):
+            a = max(r0 - cc * n_ff, 0)
+            b = min(r1 - cc * n_ff, n_ff)
             if a >= b:
                 continue
-            w = addr + np.int64(box[sel[pp]]) * eb
-            sel2[0] = pp
-            _rows(p[_P_GU_ROWS], w, gu_rb, a, b, nbg, xq8, xd, xs, arow, sel2, g)
-            _rows(p[_P_GU_ROWS], w + n_ff * gu_rb, gu_rb, a, b, nbg, xq8, xd, xs, arow, sel2, u)
+            w = addr + np.int64(box[uexp[cc]]) * eb
+            j0, nt = cst[cc], cst[cc + 1] - cst[cc]
+            _rows(p[_P_GU_ROWS], w, gu_rb, a, b, nbg, xq8, xd, xs, ctok, j0, cpl, j0, nt, g)
+            _rows(p[_P_GU_ROWS], w + n_ff * gu_rb, gu_rb, a, b, nbg, xq8, xd, xs, ctok, j0, cpl, j0, nt, u)
     # every member's gate and up rows are in
     fetch_add(sync, _S_MID, np.int64(1))
     while load_acquire(sync, _S_MID) < gen * nthr:
         pass
-    # silu(gate) * up of every expert, quantized, for this member
-    for pp in range(n_cpu):
+    # silu(gate) * up of every pair, quantized, for this member
+    for pp in range(n_p):
         silu_mul_row(g[pp, :n_ff], u[pp, :n_ff], h[:n_ff])
         if kind == KIND_GGML:
             _call_from_float(p[_P_D_FF], np.int64(h.ctypes.data), np.int64(hq[pp].ctypes.data), n_ff)
         else:
             quantize_row(h[:n_ff], fle_numba.dot_k(d_code), hd[pp], hq8[pp, :n_ff], hs[pp], tmp)
             arrange(p[_P_D_LAY], hq8[pp, :n_ff])
-    # output rows: this member's share, each the sum over the experts in routing order from zero
+    # output rows: this member's share of every row's, each the sum over the row's pairs in routing order
+    # from zero (zero for a row without CPU experts)
     r0 = tid * n_embd // nthr
     r1 = (tid + 1) * n_embd // nthr
     nbd = d_rb // fle_numba.BLOCK_BYTES[d_code]
     if kind != KIND_GGML and r1 > r0:
-        # each expert's rows of the share into dn[pp] (the row kernel, activation row pp), then the sums
-        for pp in range(n_cpu):
-            sel2[0] = pp
-            _rows(p[_P_D_ROWS], addr + np.int64(box[sel[pp]]) * eb + d_off, d_rb, r0, r1, nbd, hq8, hd, hs, sel2,
-                  sel2, dn)
-    for r in range(r0, r1):
-        tot = np.float32(0.0)
-        for pp in range(n_cpu):
-            if kind == KIND_GGML:
-                e = np.int64(box[sel[pp]])
-                wo = e * eb + d_off + r * d_rb
-                _call_vec_dot(p[_P_D_VD], n_ff, np.int64(acc.ctypes.data), addr + wo, np.int64(hq[pp].ctypes.data))
-                v = acc[0]
-            else:
-                v = dn[pp, r]
-            tot = tot + box[K + sel[pp]] * v
-        res[li, r] = tot
+        # each expert's rows of the share into dn[pair] (the row kernel, activation row = pair)
+        for cc in range(n_cpu):
+            j0, nt = cst[cc], cst[cc + 1] - cst[cc]
+            _rows(p[_P_D_ROWS], addr + np.int64(box[uexp[cc]]) * eb + d_off, d_rb, r0, r1, nbd, hq8, hd, hs, cpl,
+                  j0, cpl, j0, nt, dn)
+    for t in range(T):
+        for r in range(r0, r1):
+            tot = np.float32(0.0)
+            for pp in range(tst[t], tst[t + 1]):
+                if kind == KIND_GGML:
+                    e = np.int64(box[prow[pp]])
+                    wo = e * eb + d_off + r * d_rb
+                    _call_vec_dot(p[_P_D_VD], n_ff, np.int64(acc.ctypes.data), addr + wo,
+                                  np.int64(hq[pp].ctypes.data))
+                    v = acc[0]
+                else:
+                    v = dn[pp, r]
+                tot = tot + box[R + prow[pp]] * v
+            res[li, t * n_embd + r] = tot
 
 
 @njit(nogil=True, cache=True)
-def _member(tid, nthr, kind, P, buf, flags, done, boxes, res, stop, job, sync, stats, g, u, max_qb, clk, nap):
+def _member(tid, nthr, kind, P, buf, flags, done, nrows, boxes, res, stop, job, sync, stats, g, u, K, t_max,
+            max_embd, max_qb, clk, nap):
     """One member's life (module docstring)."""
     ts = np.zeros(2, np.int64)
     n_l = flags.shape[0]
-    K = g.shape[0]
+    RM = g.shape[0]                    # pairs at most: t_max * K
     max_ff = g.shape[1]
-    max_embd = res.shape[1]
-    sel = np.empty(K, np.int64)
-    xq = np.zeros(max_qb + 64, np.uint8)
-    xq8 = np.zeros((1, max_embd), np.int8)
-    xd = np.zeros((1, max_embd // 32 + 1), np.float32)
-    xs = np.zeros((1, max_embd // 32 + 1), np.int32)
-    hq = np.zeros((K, max_qb + 64), np.uint8)
-    hq8 = np.zeros((K, max_ff), np.int8)
-    hd = np.zeros((K, max_ff // 32 + 1), np.float32)
-    hs = np.zeros((K, max_ff // 32 + 1), np.int32)
+    uexp = np.zeros(RM, np.int64)
+    prow = np.zeros(RM, np.int64)
+    ptok = np.zeros(RM, np.int64)
+    cst = np.zeros(RM + 1, np.int64)
+    cpl = np.zeros(RM, np.int64)
+    ctok = np.zeros(RM, np.int64)
+    tst = np.zeros(t_max + 1, np.int64)
+    xq = np.zeros((t_max, max_qb + 64), np.uint8)
+    xq8 = np.zeros((t_max, max_embd), np.int8)
+    xd = np.zeros((t_max, max_embd // 32 + 1), np.float32)
+    xs = np.zeros((t_max, max_embd // 32 + 1), np.int32)
+    hq = np.zeros((RM, max_qb + 64), np.uint8)
+    hq8 = np.zeros((RM, max_ff), np.int8)
+    hd = np.zeros((RM, max_ff // 32 + 1), np.float32)
+    hs = np.zeros((RM, max_ff // 32 + 1), np.int32)
     acc = np.zeros(1, np.float32)
-    arow = np.zeros(1, np.int64)       # activation row 0 (x)
-    sel2 = np.zeros(1, np.int64)       # an expert's row of g, u, dn and of its activations
-    dn = np.zeros((K, max_embd), np.float32)
+    dn = np.zeros((RM, max_embd), np.float32)
     tmp = np.zeros(34, np.uint8)
     h = np.zeros(max_ff, np.float32)
     gen = np.int64(0)
@@ -309,8 +374,8 @@ def _member(tid, nthr, kind, P, buf, flags, done, boxes, res, stop, job, sync, s
             li = job[_J_LAYER]
             if li < 0:
                 return
-            _job(tid, nthr, kind, P[li], buf, li, job[_J_NCPU], boxes[li], K, res, sync, gen, g, u, sel, xq, xq8, xd,
-                 xs, hq, hq8, hd, hs, acc, arow, sel2, dn, tmp, h)
+            _job(tid, nthr, kind, P[li], buf, li, job[_J_NCPU], job[_J_ROWS], boxes[li], K, res, sync, gen, g, u,
+                 uexp, prow, ptok, cst, cpl, ctok, tst, xq, xq8, xd, xs, hq, hq8, hd, hs, acc, dn, tmp, h)
             fetch_add(sync, _S_END, np.int64(1))
     expect = np.int64(1)
     while True:
@@ -327,13 +392,16 @@ def _member(tid, nthr, kind, P, buf, flags, done, boxes, res, stop, job, sync, s
             if n_cpu == 0:
                 continue
             t0 = _now(clk, ts)
+            n_rows = min(max(nrows[li], np.int64(1)), t_max)
+            n_cpu = min(n_cpu, n_rows * K)
             job[_J_LAYER] = li
             job[_J_NCPU] = n_cpu
             job[_J_SERIAL] = serial
+            job[_J_ROWS] = n_rows
             gen += 1
             store_release(sync, _S_GEN, gen)
-            _job(0, nthr, kind, P[li], buf, li, n_cpu, boxes[li], K, res, sync, gen, g, u, sel, xq, xq8, xd, xs, hq,
-                 hq8, hd, hs, acc, arow, sel2, dn, tmp, h)
+            _job(0, nthr, kind, P[li], buf, li, n_cpu, n_rows, boxes[li], K, res, sync, gen, g, u, uexp, prow, ptok,
+                 cst, cpl, ctok, tst, xq, xq8, xd, xs, hq, hq8, hd, hs, acc, dn, tmp, h)
             fetch_add(sync, _S_END, np.int64(1))
             while load_acquire(sync, _S_END) < gen * nthr:
                 pass
@@ -355,11 +423,13 @@ class Team:
     at ``offsets[i]`` in the layout ``layouts[i]``
     (:class:`fle_engine.runtime.weights.ExpertLayout`); ``impl``: "ggml" or
     "numba"; the mailbox's words as the module docstring says:
-    ``flags``, ``done`` int64 [L], ``boxes`` float32 [L, 3 K + D],
-    ``results`` float32 [L, D], ``stop`` int64 [1]."""
+    ``flags``, ``done`` int64 [L], ``boxes`` float32 [L, t_max (3 K + D)],
+    ``results`` float32 [L, t_max D], ``stop`` int64 [1]; ``rows`` int64
+    [L]: the rows T of each layer's post (None: always one, the one-token
+    mailbox)."""
 
     def __init__(self, buf, offsets, layouts, impl: str, threads: int, flags, done, boxes, results, stop,
-                 n_used: int):
+                 n_used: int, rows=None, t_max: int = 1):
         if impl not in ("ggml", "numba"):
             raise ValueError(f"the CPU team runs the ggml or numba kernels, not {impl!r}")
         self.kind = KIND_GGML if impl == "ggml" else KIND_NUMBA
@@ -384,9 +454,13 @@ class Team:
                 max_qb = max(max_qb, int(P[i, _P_GU_QB]), int(P[i, _P_D_QB]))
         max_ff = max(lay.n_ff for lay in layouts)
         self._P, self._buf = P, buf
-        self._words = (flags, done, boxes, results, stop)
-        self._g = np.zeros((K, max_ff), np.float32)
-        self._u = np.zeros((K, max_ff), np.float32)
+        self.t_max, self.n_used = max(1, int(t_max)), K
+        self._max_embd = max(lay.n_embd for lay in layouts)
+        if rows is None:
+            rows = np.ones(L, np.int64)
+        self._words = (flags, done, rows, boxes, results, stop)
+        self._g = np.zeros((K * self.t_max, max_ff), np.float32)
+        self._u = np.zeros((K * self.t_max, max_ff), np.float32)
         self._job = np.zeros(8, np.int64)
         self._sync = np.zeros(24, np.int64)
         self.stats = np.zeros(8, np.int64)
@@ -395,16 +469,16 @@ class Team:
         self._threads: list[threading.Thread] = []
 
     def _args(self, tid, stop, job, sync, stats):
-        flags, done, boxes, results, _ = self._words
-        return (tid, self.n, self.kind, self._P, self._buf, flags, done, boxes, results, stop, job, sync, stats,
-                self._g, self._u, self._max_qb, self._clk, self._nap)
+        flags, done, rows, boxes, results, _ = self._words
+        return (tid, self.n, self.kind, self._P, self._buf, flags, done, rows, boxes, results, stop, job, sync, stats,
+                self._g, self._u, self.n_used, self.t_max, self._max_embd, self._max_qb, self._clk, self._nap)
 
     def start(self) -> None:
         # compiled once before the members start (a run that stops at once, on words of its own)
         one = np.ones(1, np.int64)
         _member(*self._args(0, one, np.zeros(8, np.int64), np.zeros(24, np.int64), np.zeros(8, np.int64)))
         _member(*self._args(1, one, np.zeros(8, np.int64), np.zeros(24, np.int64), np.zeros(8, np.int64)))
-        stop = self._words[4]
+        stop = self._words[5]
         self._threads = [threading.Thread(target=_member, args=self._args(t, stop, self._job, self._sync, self.stats),
                                           name=f"fle-cpu-misses-{t}", daemon=True) for t in range(self.n)]
         for th in self._threads:
