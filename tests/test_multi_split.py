@@ -177,6 +177,8 @@ def test_each_distinct_missed_expert_is_computed_once_on_the_cpu(files, arch, mo
     CPU call that holds each of the step's distinct missed experts (the
     union rule on the step's routing log) for all the rows routed to it;
     the GPU side computes none of them."""
+    if CUDA:
+        pytest.skip("the eager reference step is inspected (the CUDA step is a graph)")
     eng = _engine(files[arch], miss_split="cpu")
     g = eng.generate(PROMPT, 1)
     calls = _traced(eng, monkeypatch)
@@ -240,6 +242,8 @@ def test_forward_reads_each_expert_once_for_its_rows():
 def test_a_wrong_hand_over_is_caught(files, monkeypatch, broken):
     """The comparison sees a broken hand-over: the CPU's sums added to the
     next row, or the CPU's experts computed on the GPU side too."""
+    if CUDA:
+        pytest.skip("the eager reference step is inspected (the CUDA step is a graph)")
     path = files["qwen3moe"]
     base = _engine(path, miss_split="gpu", miss_activations="q8")
     want, want_logits = _verify_run(base, steps=1)
