@@ -513,19 +513,26 @@ def _post_kernel(xn_ptr, ids_ptr, wts_ptr, slot_of_ptr, serial_ptr, box_ptr, fla
 
 
 @triton.jit
+def _await_done(done_ptr, serial, err_ptr, max_spin):
+    # spin until the CPU's done word reads serial (at most max_spin looks); 1 when it did, else 0 and the error flag
+    d = tl.load(done_ptr, volatile=True)
+    i = 0
+    while (d != serial) & (i < max_spin):
+        d = tl.load(done_ptr, volatile=True)
+        i += 1
+    ok = _fence_sys((d == serial).to(tl.int32))
+    if ok == 0:
+        tl.store(err_ptr, 1)
+    return ok
+
+
+@triton.jit
 def _wait_kernel(ids_ptr, slot_of_ptr, serial_ptr, done_ptr, res_ptr, out_ptr, err_ptr, n, n_used, cpu_share,
                  max_spin, KP: tl.constexpr, BLOCK: tl.constexpr):
     e, miss, n_cpu = _n_cpu(ids_ptr, slot_of_ptr, n_used, cpu_share, KP)
     serial = tl.load(serial_ptr)
     if n_cpu > 0:
-        d = tl.load(done_ptr, volatile=True)
-        i = 0
-        while (d != serial) & (i < max_spin):
-            d = tl.load(done_ptr, volatile=True)
-            i += 1
-        ok = _fence_sys((d == serial).to(tl.int32))
-        if ok == 0:
-            tl.store(err_ptr, 1)
+        ok = _await_done(done_ptr, serial, err_ptr, max_spin)
         for c in range(0, n, BLOCK):
             o = c + tl.arange(0, BLOCK)
             v = tl.load(res_ptr + o, mask=o < n, other=0.0, volatile=True)
@@ -563,14 +570,7 @@ def _wait_rows_kernel(ids_ptr, slot_of_ptr, serial_ptr, done_ptr, res_ptr, out_p
     idx, inr, e, miss, dm, n_d, n_cpu = _union_n_cpu(ids_ptr, slot_of_ptr, n_rows, cpu_share, RP)
     serial = tl.load(serial_ptr)
     if n_cpu > 0:
-        d = tl.load(done_ptr, volatile=True)
-        i = 0
-        while (d != serial) & (i < max_spin):
-            d = tl.load(done_ptr, volatile=True)
-            i += 1
-        ok = _fence_sys((d == serial).to(tl.int32))
-        if ok == 0:
-            tl.store(err_ptr, 1)
+        ok = _await_done(done_ptr, serial, err_ptr, max_spin)
         for t in range(0, n_tok):
             for c in range(0, n, BLOCK):
                 o = c + tl.arange(0, BLOCK)

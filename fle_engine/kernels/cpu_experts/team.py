@@ -196,6 +196,17 @@ def _rows(fn, w, stride, r0, r1, nb, xq, xd, xs, arow, aoff, orow, ooff, nt, out
 
 
 @njit(nogil=True, cache=True)
+def _first_miss(box, R, r):
+    """Row r of the mailbox's R rows is a miss and the first row of its expert."""
+    if box[2 * R + r] <= 0.5:
+        return False
+    for q in range(r):
+        if box[q] == box[r]:
+            return False
+    return True
+
+
+@njit(nogil=True, cache=True)
 def _plan(box, K, T, n_cpu, uexp, prow, ptok, cst, cpl, ctok, tst):
     """The job's pairs from the mailbox (module docstring): the distinct
     missed experts of the T x K rows in order of their first row, the last
@@ -206,28 +217,16 @@ def _plan(box, K, T, n_cpu, uexp, prow, ptok, cst, cpl, ctok, tst):
     R = T * K
     n_d = 0
     for r in range(R):
-        if box[2 * R + r] > 0.5:
-            first = True
-            for q in range(r):
-                if box[q] == box[r]:
-                    first = False
-                    break
-            if first:
-                n_d += 1
+        if _first_miss(box, R, r):
+            n_d += 1
     c = 0
     m = 0
     for r in range(R):
-        if box[2 * R + r] > 0.5:
-            first = True
-            for q in range(r):
-                if box[q] == box[r]:
-                    first = False
-                    break
-            if first:
-                if m >= n_d - n_cpu:
-                    uexp[c] = r          # the expert's first row (its id is box[r])
-                    c += 1
-                m += 1
+        if _first_miss(box, R, r):
+            if m >= n_d - n_cpu:
+                uexp[c] = r          # the expert's first row (its id is box[r])
+                c += 1
+            m += 1
     n_p = 0
     for t in range(T):
         tst[t] = n_p
