@@ -213,13 +213,13 @@ def shape_overrides(o: dict) -> dict:
 
 
 def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: int = 0,
-               miss_split: str = "gpu") -> dict:
+               miss_split: str = "gpu", prefetch: int = 0) -> dict:
     import torch
 
     from fle_engine.runtime import Engine
 
     eng = Engine(model, device="cuda", cache_budget=budget, ctx_size=max(512, n_gen + 8), profile_path="none",
-                 progress=False, miss_split=miss_split)
+                 progress=False, miss_split=miss_split, miss_prefetch=prefetch)
     rng = np.random.default_rng(seed)
     n_vocab = eng.args.n_vocab
     first = int(rng.integers(n_vocab))
@@ -231,6 +231,8 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
     sp = eng.split
     cpu0, busy0 = (sp.cpu_experts, sp.busy_seconds) if sp is not None else (0, 0.0)
     mem0 = torch.cuda.memory_allocated()
+    if eng.prefetch is not None:
+        eng.prefetch.reset_counts()
     for _ in range(reps):
         feed = rng.integers(n_vocab, size=n_gen).tolist()
         torch.cuda.synchronize()
@@ -254,7 +256,8 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
                cpu_kernels=(sp.cpu.name if sp is not None else None),
                cpu_misses_per_token=((sp.cpu_experts - cpu0) / max(1, steps) if sp is not None else 0.0),
                cpu_busy_ms_per_token=((sp.busy_seconds - busy0) / max(1, steps) * 1e3 if sp is not None else 0.0),
-               miss_bandwidths=eng.miss_bandwidths,
+               miss_bandwidths=eng.miss_bandwidths, miss_prefetch=prefetch,
+               prefetch=(eng.prefetch.summary(steps) if eng.prefetch is not None else None),
                expert_bytes_mean=float(np.mean([lay.expert_bytes for lay in eng.net.layouts.values()])))
     eng.close()
     del eng
@@ -435,6 +438,9 @@ def main(argv=None) -> int:
     p.add_argument("-t", "--threads", type=int, default=16)
     p.add_argument("--no-all-gpu", action="store_true", help="skip the runs with every expert on the GPU")
     p.add_argument("--skip-upstream", action="store_true")
+    p.add_argument("--miss-prefetch", default="0",
+                   help="FLE runs with these --miss-prefetch settings (predicted misses copied per layer one layer "
+                        "ahead; 0: off), comma list, each with every --miss-split")
     p.add_argument("--miss-split", default="gpu",
                    help="FLE runs with these --miss-split settings (gpu, cpu, auto, a fraction), comma list")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -519,8 +525,15 @@ def main(argv=None) -> int:
                           f"upstream {r['upstream_tok_s']:.0f} (-ub {r['upstream_ubatch']}) = {r['ratio']:.2f}",
                           flush=True)
         row["fle_split"] = {}
-        for split in ([] if args.no_decode else args.miss_split.split(",")):
-            f = row["fle_split"][split] = fle_decode(path, budget, args.n_gen, args.reps, miss_split=split)
+        runs = [(split, int(pf)) for split in args.miss_split.split(",") for pf in args.miss_prefetch.split(",")]
+        for split, pf in ([] if args.no_decode else runs):
+            key = split if not pf else f"{split}+prefetch{pf}"
+            f = row["fle_split"][key] = fle_decode(path, budget, args.n_gen, args.reps, miss_split=split, prefetch=pf)
+            if f["prefetch"] is not None:
+                q = f["prefetch"]
+                print(f"[{routing}] prefetch {pf}/layer: {q['copied_per_step']:.1f} experts/token copied ahead, "
+                      f"{100 * q['used_fraction']:.1f} % of them used", flush=True)
+            split = key
             print(f"[{routing}] FLE cache {budget / 2**30:.2f} GiB, misses {split} (CPU share {f['cpu_share']:.0%}, "
                   f"{f['cpu_kernels']} kernels): {f['tok_s']:.1f} tok/s, hit rate {f['hit_rate']:.3f}, "
                   f"{f['misses_per_token']:.1f} misses/token ({f['cpu_misses_per_token']:.1f} on the CPU, "

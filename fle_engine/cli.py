@@ -40,6 +40,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "PCIe and the CPU at once, in the share that the two bandwidths measured at start give; "
                         "gpu: the GPU alone; cpu: the CPU alone; FRACTION: that fraction on the CPU "
                         "(docs/benchmarks.md)")
+    p.add_argument("--miss-prefetch", type=int, default=0, metavar="N",
+                   help="engine: copy up to N predicted misses per layer into GPU slots on a copy stream one layer "
+                        "ahead (the next layer's router applied to this layer's input); 0 (default): off. The "
+                        "slots come out of --cache-budget; measured slower or level so far (docs/benchmarks.md)")
     p.add_argument("--miss-activations", default="float", choices=("float", "q8"),
                    help="engine: what the GPU's misses multiply: float (default) the activations as they are; q8: "
                         "rounded as the CPU kernels quantize them (ggml's vec_dot_type), so that a token's numbers "
@@ -344,7 +348,8 @@ def _generate_engine(args, tok, prompt, sampler, vocab=None) -> int:
     with Engine(args.model, device="cuda", cache_budget=args.cache_budget, ctx_size=ctx,
                 cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                 profile_path=args.cache_profile, miss_split=args.miss_split, cpu_impl=args.cpu_kernels,
-                miss_activations=args.miss_activations, ubatch=args.ubatch, prefill_min=args.prefill_min, mtp=mtp) as eng:
+                miss_activations=args.miss_activations, ubatch=args.ubatch, prefill_min=args.prefill_min, mtp=mtp,
+                miss_prefetch=args.miss_prefetch) as eng:
         n_predict = min(args.n_predict, eng.ctx_size - len(prompt))
         picker = None if args.temp <= 0 else sampler
         if mtp:
@@ -367,6 +372,8 @@ def _generate_engine(args, tok, prompt, sampler, vocab=None) -> int:
         if mtp and args.draft_adaptive:
             print(f"[{spec.steps_line()}; {policy.line()}]", file=sys.stderr)
         print(eng.stats.summary(eng.cache), file=sys.stderr)
+        if eng.prefetch is not None:
+            print(eng.prefetch.line(eng.cache.stats.steps), file=sys.stderr)
         if eng.prefill is not None and eng.prefill.stats.tokens:
             print(eng.prefill.stats.line(), file=sys.stderr)
         if args.stats_json:
@@ -389,7 +396,8 @@ def _serve(args) -> int:
         runtime = dict(cache_budget=args.cache_budget, cache_type_k=args.cache_type_k,
                        cache_type_v=args.cache_type_v, profile_path=args.cache_profile,
                        miss_split=args.miss_split, cpu_impl=args.cpu_kernels, ubatch=args.ubatch,
-                       prefill_min=args.prefill_min, miss_activations=args.miss_activations)
+                       prefill_min=args.prefill_min, miss_activations=args.miss_activations,
+                       miss_prefetch=args.miss_prefetch)
     return serve(args.model, host=args.host, port=args.port, ctx_size=args.ctx_size, device=device,
                  threads=args.threads, mtp=args.mtp, mtp_head=args.mtp_head, n_draft=args.draft_max,
                  draft_vocab=args.draft_vocab, draft_vocab_corpus=args.draft_vocab_corpus,

@@ -76,6 +76,13 @@ Signatures (both sides; outputs written in place):
   (:func:`tile_columns` gives the permutation of the other operand)
 - ``gdn_tokens(...)``: ``gdn_step`` for T tokens at once (rows [T, ...] of
   the same arguments; prefill), the states advanced as T steps advance them
+- ``stage_pick(logits, slot_of, n_used, stage)``, ``stage_copy(store,
+  host_delta, expert_words, stage, first_slot)``, ``stage_apply(prev_map,
+  prev_stage, slot_of, stage, ids, counts, first_slot)``: the prefetch of
+  predicted misses (:mod:`fle_engine.runtime.stage`): the first R missing
+  experts of the top ``n_used`` logits, their bytes copied from host memory
+  into R slots, and the map entries switched to those slots (the previous
+  layer's switched back)
 """
 from __future__ import annotations
 
@@ -330,6 +337,36 @@ def route_topk_ref(logits: Tensor, n_used: int, scale: float, slot_of: Tensor, i
     hits.copy_((slot_of[exp] >= 0).to(hits.dtype))
 
 
+def stage_pick_ref(logits: Tensor, slot_of: Tensor, n_used: int, stage: Tensor) -> None:
+    lg = logits.reshape(-1).float().cpu().numpy()
+    top = np.argsort(-lg, kind="stable")[:n_used]
+    miss = [int(e) for e in top if int(slot_of[int(e)]) < 0][:stage.shape[0]]
+    stage.fill_(-1)
+    if miss:
+        stage[:len(miss)] = torch.tensor(miss, dtype=stage.dtype)
+
+
+def stage_copy_ref(store: ExpertWords, host_delta: int, expert_words: int, stage: Tensor, first_slot: int) -> None:
+    for r, e in enumerate(stage.tolist()):
+        if e >= 0:
+            store.slots[first_slot + r].copy_(store.host[e])
+
+
+def stage_apply_ref(prev_map: "Tensor | None", prev_stage: "Tensor | None", slot_of: "Tensor | None",
+                    stage: "Tensor | None", ids: "Tensor | None", counts: Tensor, first_slot: int) -> None:
+    if prev_map is not None:
+        for e in prev_stage.tolist():
+            if e >= 0:
+                prev_map[e] = -1
+    if slot_of is not None:
+        routed = set(ids.reshape(-1).tolist())
+        put = [(r, e) for r, e in enumerate(stage.tolist()) if e >= 0]
+        for r, e in put:
+            slot_of[e] = first_slot + r
+        counts[0] += len(put)
+        counts[1] += sum(e in routed for _, e in put)
+
+
 def add_rmsnorm_ref(x: Tensor, parts: "Tensor | None", weight: Tensor, eps: float, out: Tensor) -> None:
     if parts is not None:
         x += parts.sum(1)
@@ -515,7 +552,8 @@ def _fast():
                            gdn_step=te.gdn_step, post_misses=te.post_misses, wait_misses=te.wait_misses,
                            experts_union=te.experts_union, qk_rope_kv_multi=te.qk_rope_kv_multi,
                            attention_multi=te.attention_multi, dequant=_dequant_fast, gdn_tokens=te.gdn_tokens,
-                           round_acts=te.round_acts)
+                           round_acts=te.round_acts, stage_pick=te.stage_pick, stage_copy=te.stage_copy,
+                           stage_apply=te.stage_apply)
 
 
 def _dequant_fast(space: WordSpace, qtype: GGMLType, *args, **kw) -> Tensor:
@@ -530,7 +568,8 @@ REFERENCE = SimpleNamespace(experts=experts_ref, route_topk=route_topk_ref, add_
                             gdn_step=gdn_step_ref, post_misses=post_misses_ref, wait_misses=wait_misses_ref,
                             experts_union=experts_union_ref, qk_rope_kv_multi=qk_rope_kv_multi_ref,
                             attention_multi=attention_multi_ref, dequant=dequant_ref, gdn_tokens=gdn_tokens_ref,
-                            round_acts=round_acts_ref)
+                            round_acts=round_acts_ref, stage_pick=stage_pick_ref, stage_copy=stage_copy_ref,
+                            stage_apply=stage_apply_ref)
 
 # name -> (reference, fast) ; the fast side is filled on first use (it imports triton)
 OPS: dict[str, tuple] = {name: (getattr(REFERENCE, name), None) for name in vars(REFERENCE)}

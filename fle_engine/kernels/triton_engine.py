@@ -54,7 +54,7 @@ from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 from . import triton_quant as _tq
 from .triton_quant import _FORMATS, _decode, _iq4_xs_rows_fast, _iq4_xs_rows_fast_multi, _lut, _value_index
 
-__all__ = ["gdn_tokens", "experts", "round_acts", "experts_union", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv",
+__all__ = ["gdn_tokens", "stage_pick", "stage_copy", "stage_apply", "experts", "round_acts", "experts_union", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv",
            "qk_rope_kv_multi", "attention", "attention_multi", "embed_row", "hc_write_norm", "hc_mix", "gather_rows",
            "gdn_step", "ATTN_SPLITS"]
 
@@ -670,6 +670,97 @@ def route_topk(logits: Tensor, n_used: int, scale: float, slot_of: Tensor, ids: 
     _topk_kernel[(n_tok,)](logits, slot_of, ids, weights, log, hits, n_exp, float(scale),
                            K=n_used, KP=triton.next_power_of_2(n_used), BLOCK_E=triton.next_power_of_2(n_exp),
                            SCALE=scale not in (0.0, 1.0), num_warps=4)
+
+
+# ---------------------------------------------------------------------------
+# prefetch of predicted misses (runtime.stage)
+
+
+@triton.jit
+def _stage_pick_kernel(logits_ptr, slot_of_ptr, stage_ptr, n_expert, K: tl.constexpr, R: tl.constexpr,
+                       RP: tl.constexpr, BLOCK_E: tl.constexpr):
+    offs = tl.arange(0, BLOCK_E)
+    work = tl.load(logits_ptr + offs, mask=offs < n_expert, other=float("-inf"))
+    rr = tl.arange(0, RP)
+    out = tl.full([RP], -1, tl.int32)
+    cnt = 0
+    for i in tl.static_range(K):
+        j = tl.argmax(work, axis=0)
+        work = tl.where(offs == j, float("-inf"), work)
+        take = (tl.load(slot_of_ptr + j) < 0) & (cnt < R)
+        out = tl.where((rr == cnt) & take, j, out)
+        cnt += take.to(tl.int32)
+    tl.store(stage_ptr + rr, out, mask=rr < R)
+
+
+def stage_pick(logits: Tensor, slot_of: Tensor, n_used: int, stage: Tensor) -> None:
+    """The first ``len(stage)`` experts missing from ``slot_of`` among the
+    top ``n_used`` of ``logits`` (float32 [E], highest first, ties to the
+    lower id) into ``stage`` (int32 [R], -1 where fewer)."""
+    n_exp = logits.shape[-1]
+    r = stage.shape[0]
+    _stage_pick_kernel[(1,)](logits, slot_of, stage, n_exp, K=n_used, R=r, RP=triton.next_power_of_2(r),
+                             BLOCK_E=triton.next_power_of_2(n_exp), num_warps=4)
+
+
+@triton.jit
+def _stage_copy_kernel(words_ptr, stage_ptr, host_delta, expert_words, first_slot, CHUNK: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    e = tl.load(stage_ptr + r)
+    if e >= 0:
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        m = offs < expert_words
+        v = tl.load(words_ptr + host_delta + e.to(tl.int64) * expert_words + offs, mask=m)
+        tl.store(words_ptr + (first_slot + r).to(tl.int64) * expert_words + offs, v, mask=m)
+
+
+STAGE_CHUNK = 4096
+
+
+def stage_copy(words: Tensor, host_delta: int, expert_words: int, stage: Tensor, first_slot: int) -> None:
+    """Experts ``stage`` (int32 [R], -1: none) from host memory (``host_delta``
+    words from ``words``, as :func:`experts` reads misses) into slots
+    ``first_slot .. first_slot + R - 1`` of ``words``."""
+    grid = (stage.shape[0], triton.cdiv(expert_words, STAGE_CHUNK))
+    _stage_copy_kernel[grid](words, stage, host_delta, expert_words, first_slot, CHUNK=STAGE_CHUNK, num_warps=4)
+
+
+@triton.jit
+def _stage_apply_kernel(prev_map_ptr, prev_stage_ptr, map_ptr, stage_ptr, ids_ptr, count_ptr, first_slot,
+                        K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
+                        PREV: tl.constexpr, CUR: tl.constexpr):
+    rr = tl.arange(0, RP)
+    mr = rr < R
+    if PREV:
+        pe = tl.load(prev_stage_ptr + rr, mask=mr, other=-1)
+        tl.store(prev_map_ptr + pe, tl.full([RP], -1, tl.int32), mask=mr & (pe >= 0))
+    if CUR:
+        e = tl.load(stage_ptr + rr, mask=mr, other=-1)
+        ok = mr & (e >= 0)
+        tl.store(map_ptr + e, first_slot + rr, mask=ok)
+        kk = tl.arange(0, KP)
+        ids = tl.load(ids_ptr + kk, mask=kk < K, other=-2).to(tl.int32)
+        used = tl.sum(tl.where(e[:, None] == ids[None, :], 1, 0), axis=1) > 0
+        tl.atomic_add(count_ptr, tl.sum(ok.to(tl.int64), axis=0))
+        tl.atomic_add(count_ptr + 1, tl.sum((ok & used).to(tl.int64), axis=0))
+
+
+def stage_apply(prev_map: "Tensor | None", prev_stage: "Tensor | None", slot_of: "Tensor | None",
+                stage: "Tensor | None", ids: "Tensor | None", counts: Tensor, first_slot: int) -> None:
+    """Take the previous layer's prefetched experts out of its map
+    (``prev_map``, ``prev_stage``) and put this layer's in (``slot_of``
+    [E]: ``stage[r]`` -> slot ``first_slot + r``); ``counts`` (int64 [2])
+    gains the experts put in and those of them that ``ids`` (int64 [K],
+    this layer's routed ids) use."""
+    ref = stage if stage is not None else prev_stage
+    r = ref.shape[0]
+    k = ids.shape[-1] if ids is not None else 1
+    _stage_apply_kernel[(1,)](prev_map if prev_map is not None else counts, ref if prev_stage is None else prev_stage,
+                              slot_of if slot_of is not None else counts, ref, ids if ids is not None else counts,
+                              counts, first_slot, K=k, KP=triton.next_power_of_2(k), R=r,
+                              RP=triton.next_power_of_2(r), PREV=prev_map is not None, CUR=slot_of is not None,
+                              num_warps=1)
 
 
 # ---------------------------------------------------------------------------

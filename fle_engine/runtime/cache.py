@@ -57,22 +57,19 @@ class ExpertCache:
     """Slots for the routed experts of every MoE layer under ``budget_bytes``."""
 
     def __init__(self, layouts: dict[int, ExpertLayout], host: HostExperts, n_expert: int, budget_bytes: int,
-                 device: torch.device, policy: CachePolicy = CachePolicy(), profile=None):
+                 device: torch.device, policy: CachePolicy = CachePolicy(), profile=None, stage_rows: int = 0):
         self.layers = sorted(layouts)
         self.layouts, self.host, self.n_expert, self.device = layouts, host, n_expert, device
         self.cuda = device.type == "cuda"
         counts = None if profile is None else {l: profile.counts[l] for l in self.layers if l in profile.counts}
         if counts is not None and len(counts) != len(self.layers):
             counts = None
-        self.slots_per_layer = plan_slots(int(budget_bytes), {l: layouts[l].expert_bytes for l in self.layers},
-                                          n_expert, counts)
-        # one device buffer for every slot; layer regions on 256-byte boundaries
-        self.region, off = {}, 0
-        for l in self.layers:
-            self.region[l] = off
-            off = _align(off + max(1, self.slots_per_layer[l]) * layouts[l].expert_bytes, 256)
-        self.nbytes = off
-        self.slots = torch.zeros(off, dtype=torch.uint8, device=device)
+        sizes = {l: layouts[l].expert_bytes for l in self.layers}
+        self.stage_rows = max(0, int(stage_rows))
+        stage_bytes = self._stage_bytes(sizes)
+        self.slots_per_layer = plan_slots(max(0, int(budget_bytes) - stage_bytes), sizes, n_expert, counts)
+        self._layout(sizes)
+        self.slots = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         self.map = torch.full((len(self.layers), n_expert), -1, dtype=torch.int32, device=device)
         self.index = {l: i for i, l in enumerate(self.layers)}
         # the expert kernels' launch configuration: misses possible, or every expert cached
@@ -101,6 +98,63 @@ class ExpertCache:
             self._mark = self.calls.event()
             self._copied = self.calls.event()
 
+    # layout ------------------------------------------------------------------------
+    def _stage_bytes(self, sizes: dict[int, int]) -> int:
+        """Bytes the prefetch rows (``stage_rows`` per layer, runtime.stage)
+        take from the budget: two buffers of ``stage_rows`` experts shared by
+        the layers of the most common expert size (a layer uses buffer
+        ``its rank % 2``), and rows of their own for the other layers."""
+        self.stage_size = self._stage_total = 0
+        if not self.stage_rows:
+            return 0
+        r = self.stage_rows
+        common = max(set(sizes.values()), key=lambda b: (list(sizes.values()).count(b), b))
+        self.stage_size = common if common % 4 == 0 else 0
+        own = sum(r * b for b in sizes.values() if b != self.stage_size)
+        self._stage_total = 2 * r * self.stage_size + own
+        return self._stage_total
+
+    def _layout(self, sizes: dict[int, int]) -> None:
+        """One device buffer for every slot. Layer regions on 256-byte
+        boundaries; with prefetch rows, the regions of the common expert size
+        start at multiples of it and the two shared buffers follow them all,
+        so that their rows are slot numbers of each such layer."""
+        self.region, off = {}, 0
+        r, common = self.stage_rows, self.stage_size
+        self.stage_first: dict[int, tuple[int, int]] = {}        # layer -> first stage slot of buffers 0 and 1
+        for l in self.layers:
+            eb = sizes[l]
+            if r and eb == common:
+                off = -(-off // eb) * eb
+            self.region[l] = off
+            rows = max(1, self.slots_per_layer[l])
+            if r and eb != common:
+                self.stage_first[l] = (rows, rows)
+                rows += r
+            off = _align(off + rows * eb, 256)
+        if r and common:
+            off = -(-off // common) * common
+            for l in self.layers:
+                if sizes[l] == common:
+                    s0 = (off - self.region[l]) // common
+                    self.stage_first[l] = (s0, s0 + r)
+            off += 2 * r * common
+        self.nbytes = _align(off, 256)
+        self.stage_end = {l: self.region[l] + (max(self.stage_first[l]) + r) * sizes[l] for l in self.stage_first}
+
+    @property
+    def stage_nbytes(self) -> int:
+        """Bytes of the prefetch rows (taken from the budget)."""
+        return self._stage_total
+
+    def stage_view(self, l: int) -> Tensor:
+        """uint8 [rows, expert_bytes]: layer ``l``'s slots and, past them, the
+        rows its prefetch slot numbers address (``stage_first``)."""
+        lay = self.layouts[l]
+        o = self.region[l]
+        end = self.stage_end.get(l, o + max(1, self.slots_per_layer[l]) * lay.expert_bytes)
+        return self.slots[o:end].view(-1, lay.expert_bytes)
+
     # addresses for the kernels ------------------------------------------------
     def slot_view(self, l: int) -> Tensor:
         """uint8 [slots, expert_bytes] of layer ``l`` (at least one row)."""
@@ -126,7 +180,7 @@ class ExpertCache:
     def reference_store(self, l: int, qtype) -> engine_ops.ExpertWords:
         # types without a fast kernel (float experts) run on the reference side only: offsets in bytes
         word = engine_ops.WORDS[qtype].itemsize if qtype in engine_ops.WORDS else 1
-        return engine_ops.ExpertWords(self.slot_view(l), self.host.view(l), word)
+        return engine_ops.ExpertWords(self.stage_view(l), self.host.view(l), word)
 
     def layer_map(self, l: int) -> Tensor:
         return self.map[self.index[l]]

@@ -188,7 +188,8 @@ class Engine:
                  cache_type_k: str = "f16", cache_type_v: str = "f16", impl: str = "auto", miss_split="gpu",
                  cpu_impl: str = "auto", miss_activations: str = "float", ubatch: int = 4096, prefill_min: int = PREFILL_MIN,
                  profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
-                 progress: bool = True, log=None, mtp=None, mtp_experts: str = "auto", n_seq: int = 1):
+                 progress: bool = True, log=None, mtp=None, mtp_experts: str = "auto", n_seq: int = 1,
+                 miss_prefetch: int = 0):
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr))
         self.n_seq = int(n_seq)
         if self.n_seq < 1:
@@ -207,6 +208,11 @@ class Engine:
             if want not in KV_TYPES:
                 raise FleError(f"{name} {want!r}: the engine keeps the KV cache as {', '.join(KV_TYPES)}")
         parse_split(miss_split)
+        self.miss_prefetch = int(miss_prefetch)
+        if self.miss_prefetch < 0 or self.miss_prefetch > 16:
+            raise FleError(f"--miss-prefetch {miss_prefetch}: 0 (off) to 16 experts per layer")
+        if self.miss_prefetch and self.n_seq > 1:
+            raise FleError(f"--miss-prefetch runs on one sequence: serve it with --parallel 1, not {self.n_seq}")
         if miss_activations not in ("float", "q8"):
             raise FleError(f"--miss-activations {miss_activations!r}: float or q8")
         self.cpu_impl = cpu_impl
@@ -293,9 +299,17 @@ class Engine:
             else:
                 budget = total_experts
         budget = min(budget, total_experts)
-        self.cache = ExpertCache(self.net.layouts, self.host, a.n_expert, budget, self.device, policy, profile)
+        self.cache = ExpertCache(self.net.layouts, self.host, a.n_expert, budget, self.device, policy, profile,
+                                 stage_rows=self.miss_prefetch)
         if profile is not None:
             self.cache.warm(profile)
+        self.prefetch = st.stage = None
+        if self.miss_prefetch and any(self.cache.slots_per_layer[l] < a.n_expert for l in self.net.layouts):
+            from .stage import MissPrefetch
+
+            self.prefetch = st.stage = MissPrefetch(self.net, self.cache, self.miss_prefetch, self.device, self.fast)
+            self.log(f"misses: up to {self.miss_prefetch} predicted misses per layer copied one layer ahead on a "
+                     f"copy stream ({self.cache.stage_nbytes / 2**20:.0f} MiB of the budget)")
         self.split = None
         self.miss_bandwidths = None      # bytes/s of misses on each side, when auto measured them
         self._setup_split(miss_split)

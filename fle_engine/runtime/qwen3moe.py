@@ -257,10 +257,15 @@ class Net:
         a, b = self.args, state.bufs
         impl = self.impl(state)
         k = a.n_expert_used
+        stage = getattr(state, "stage", None)
+        if stage is not None:
+            stage.fork(il, b.xn, ops)           # the next layer's predicted misses, on a copy stream
         torch.matmul(b.xn, m.router.T, out=b.router)
         smap = cache.layer_map(il)
         ops.route_topk(b.router, k, a.expert_weights_scale, smap, b.ids, b.wts, state.ids_log[il:il + 1],
                        state.hit_log[il:il + 1])
+        if stage is not None:
+            stage.apply(il, b.ids.view(-1), ops)
         ids, lay = b.ids.view(-1), m.layout
         y = b.y[0, :k]
         split = getattr(state, "split", None)
@@ -296,6 +301,8 @@ class Net:
             self.shared_expert(m, b.xn, b.sg, b.su, b.sgate, b.y[:, k], impl)
         elif self._n_sh and split is not None:
             b.y[:, k].zero_()                 # the parts are summed as one range
+        if stage is not None:
+            stage.finish(il, ops)
         if split is not None:
             row = b.y[0, k + self._n_sh]
             if share:
