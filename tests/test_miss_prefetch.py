@@ -172,6 +172,27 @@ def test_prefetch_leaves_tokens_and_logits_bit_equal(files, arch):
     assert d["copied"] > 0 and 0 <= d["used"] <= d["copied"]
 
 
+def test_prefetch_with_misses_on_the_cpu_gives_the_same_tokens(files):
+    """The CPU's share follows the map after the prefetched experts are put
+    in (they are read by the GPU); the wait of the last layer reads the
+    same map as its post."""
+    n = 24
+    kw = dict(miss_split="0.5", miss_activations="q8", cpu_impl="reference")
+    with _engine(files["qwen3moe"], per_layer=4, **kw) as e0:
+        want = e0.generate(PROMPT, n)
+        want_logits = e0.state.bufs.logits.cpu().clone()
+    with _engine(files["qwen3moe"], per_layer=4, miss_prefetch=2, **kw) as e1:
+        got = e1.generate(PROMPT, n)
+        got_logits = e1.state.bufs.logits.cpu().clone()
+        assert e1.split is not None and e1.split.cpu_experts > 0
+        assert e1.prefetch.summary(e1.cache.stats.steps)["used"] > 0
+    assert got == want
+    # a prefetched expert multiplies the float activations (as hits do), the CPU its rounding of them
+    # (ggml's vec_dot_type): which experts the CPU computes differs, so the logits agree to that rounding
+    scale = float(want_logits.abs().max())
+    assert float((got_logits - want_logits).abs().max()) <= 1e-2 * scale
+
+
 def test_prefetch_is_refused_with_several_sequences(files):
     from fle_quant.errors import FleError
 

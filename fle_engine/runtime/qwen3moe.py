@@ -301,14 +301,14 @@ class Net:
             self.shared_expert(m, b.xn, b.sg, b.su, b.sgate, b.y[:, k], impl)
         elif self._n_sh and split is not None:
             b.y[:, k].zero_()                 # the parts are summed as one range
-        if stage is not None:
-            stage.finish(il, ops)
         if split is not None:
             row = b.y[0, k + self._n_sh]
             if share:
                 ops.wait_misses(split, il, ids, smap, state.serial, row)
             else:
                 row.zero_()
+        if stage is not None:
+            stage.finish(il, ops)               # after the wait: it reads the map as the post did
 
     @staticmethod
     def shared_expert(m: Moe, xn: Tensor, sg: Tensor, su: Tensor, sgate: Tensor, out: Tensor, impl: str) -> None:
