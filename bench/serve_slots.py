@@ -1,7 +1,9 @@
 """Throughput of ``fle-engine serve`` with 1 and with 2 slots on a factory
 model (reference path, CPU): N clients at once, each asking for a fixed
 number of tokens (ignore_eos), generated tokens per second of wall time
-and per second of this process's CPU time; torch runs on ``--threads``
+and per second of this process's CPU time, and the decode thread's rounds
+split into the engine's calls and the rest (the server's host work per
+round and per token); torch runs on ``--threads``
 threads. On a shared machine single runs swing by 2x either way, so the
 1-slot and 2-slot runs alternate ``--repeat`` times and the ratio printed
 last is the median of the pairs' ratios.
@@ -43,19 +45,52 @@ from fle_quant.synth import make_model
 
 def _count_decode_cpu(engine) -> dict:
     """Accumulate the decode thread's own CPU time over its rounds (the
-    model and the scheduler, without the HTTP side)."""
-    acc = {"cpu": 0.0}
+    model and the scheduler, without the HTTP side), and the rounds' wall
+    time split into the engine's calls (on lanes ``step_lanes`` and
+    ``lane_prompt``; on one sequence its decode steps ``_launch`` /
+    ``_consume`` and prefill) and the rest of the round: the server's host
+    work (sampling, text, bookkeeping)."""
+    acc = {"cpu": 0.0, "round": 0.0, "engine": 0.0, "rounds": 0, "tokens": 0}
     inner = engine._round
 
     def timed(active):
-        t = time.thread_time()
+        t, w = time.thread_time(), time.perf_counter()
+        n0 = sum(s.n_decoded for s in active)
         try:
             inner(active)
         finally:
             acc["cpu"] += time.thread_time() - t
+            acc["round"] += time.perf_counter() - w
+            acc["rounds"] += 1
+            acc["tokens"] += sum(s.n_decoded for s in active) - n0
 
     engine._round = timed
+    model = engine.model
+    names = () if not engine.runtime else ("step_lanes", "lane_prompt") if engine.lanes else \
+        ("_launch", "_consume", "_prefill_prompt")          # (the reference path: all of a round is "the rest")
+    for name in names:
+        real = getattr(model, name, None)
+        if real is None:
+            continue
+
+        def wrapped(*a, _real=real, **kw):
+            w = time.perf_counter()
+            try:
+                return _real(*a, **kw)
+            finally:
+                acc["engine"] += time.perf_counter() - w
+
+        setattr(model, name, wrapped)
     return acc
+
+
+def _split_line(acc: dict, before: dict, n_slots: int) -> str:
+    d = {k: acc[k] - before[k] for k in ("round", "engine", "rounds", "tokens")}
+    r = max(d["rounds"], 1)
+    rest = d["round"] - d["engine"]
+    return (f"per round ({d['rounds']} rounds, {d['tokens'] / r:.2f} tokens each): {1e3 * d['round'] / r:.3f} ms = "
+            f"engine {1e3 * d['engine'] / r:.3f} ms + the rest {1e3 * rest / r:.3f} ms "
+            f"({1e3 * rest / max(d['tokens'], 1):.3f} ms per token; {n_slots} slot(s))")
 
 
 async def _load(engine, decode: dict, n_clients: int, n_tokens: int) -> tuple[float, float, float, int]:
@@ -68,7 +103,9 @@ async def _load(engine, decode: dict, n_clients: int, n_tokens: int) -> tuple[fl
         # warm-up: every slot and batch size once (the engine captures a lane's graphs on their first use)
         await asyncio.gather(*(one(90 + i) for i in range(engine.n_parallel)))
         t0, c0, d0 = time.perf_counter(), time.process_time(), decode["cpu"]
+        before = dict(decode)
         got = await asyncio.gather(*(one(i) for i in range(n_clients)))
+        decode["last"] = _split_line(decode, before, engine.n_parallel)
         return time.perf_counter() - t0, time.process_time() - c0, decode["cpu"] - d0, sum(got)
 
 
@@ -120,6 +157,7 @@ def main() -> None:
                 print(f"{args.arch}: {n_par} slot(s), {args.clients} clients x {args.tokens} tokens: {n} tokens in "
                       f"{wall:.2f} s = {n / wall:.1f} tokens/s ({cpu:.2f} CPU s = {n / cpu:.1f} tokens per CPU "
                       f"second; decode thread {1e3 * dec / n:.2f} CPU ms per token)")
+                print(f"{args.arch}: {n_par} slot(s): {decode[n_par]['last']}")
             wall_ratios.append(rates[2][0] / rates[1][0])
             cpu_ratios.append(rates[2][1] / rates[1][1])
             dec_ratios.append(rates[2][2] / rates[1][2])

@@ -37,7 +37,7 @@ import torch
 
 from fle_quant.errors import FleError
 
-__all__ = ["SamplerParams", "Sampler", "MT19937", "filter_candidates", "generate_tokens"]
+__all__ = ["SamplerParams", "Sampler", "MT19937", "filter_candidates", "sample_rows", "generate_tokens"]
 
 _F32 = np.float32
 
@@ -196,6 +196,42 @@ class Sampler:
         running = np.add.accumulate(p)
         hit = np.nonzero(running >= running[-1] * rnd)[0]
         return int(ids[hit[0] if hit.size else ids.size - 1])
+
+
+def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray) -> list[int]:
+    """``[s(row) for s, row in zip(samplers, logits)]`` for rows of logits
+    [R, V] (float32) and a sampler per row: the same tokens and random
+    states as those one-row calls. The rows whose samplers share their
+    parameters (the seed aside) and keep at most 256 candidates by top-k
+    (any top-k when greedy) run the chain together in compiled loops
+    (:mod:`fle_engine.sampling_rows`); the others, and rows those loops
+    leave (a NaN, no finite largest logit), take the one-row path."""
+    x = np.asarray(logits)
+    if x.ndim != 2 or x.shape[0] != len(samplers):
+        raise FleError(f"sample_rows: {len(samplers)} samplers for logits of shape {tuple(x.shape)}")
+    if x.dtype != _F32:
+        x = x.astype(_F32)
+    n = x.shape[1]
+    out: list = [None] * len(samplers)
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samplers):
+        p = s.params
+        if p.top_k > 0 and (p.temp <= 0.0 or (p.top_k < n and p.top_k <= _ROWS_TOP_K)):
+            groups.setdefault((p.top_k, p.top_p, p.min_p, p.temp), []).append(i)
+    if groups:
+        from .sampling_rows import sample_group
+
+        for rows in groups.values():
+            sub = x if len(rows) == x.shape[0] else x[rows]
+            for i, tok in zip(rows, sample_group([samplers[i] for i in rows], sub)):
+                out[i] = tok
+    for i, s in enumerate(samplers):
+        if out[i] is None:
+            out[i] = s(x[i])
+    return out
+
+
+_ROWS_TOP_K = 256       # sample_rows' loops keep the top-k in an insertion-sorted list: for small k
 
 
 def generate_tokens(model, prompt: Sequence[int], n_predict: int, sampler: Callable[[np.ndarray], int],

@@ -66,10 +66,13 @@ def _close(a, b, tol=TOL):
     assert float((a - b).abs().max()) <= tol * scale, float((a - b).abs().max()) / scale
 
 
-def _alone(path, prompt, n, **kw):
+def _alone(path, prompt, n, f32_prefill=False, **kw):
     """Greedy tokens of ``prompt`` on the one-sequence engine and the logits
-    that chose each [n, V]."""
+    that chose each [n, V] (``f32_prefill``: its prefill multiplies in
+    float32 also on CUDA)."""
     eng = _engine(path, **kw)
+    if f32_prefill and eng.prefill is not None:
+        eng.prefill.bf16 = False
     logits = []
 
     def greedy(x):
@@ -106,6 +109,10 @@ def _check_restore(path):
     another token: each as a fresh run of its tokens. A follow-up prompt on
     the restored lane computes only its new tokens."""
     eng = _engine(path, ctx=2 * 64, n_seq=2)
+    # the prompts' prefills multiply in float32 here and in the runs it is held to (on CUDA they would in
+    # bfloat16, and the fresh runs prefill more of the tokens than the lanes do)
+    if eng.prefill is not None:
+        eng.prefill.bf16 = False
     lg, _ = eng.lane_prompt(0, PROMPT)
     (a, _), = _greedy_lanes(eng, [0], [int(lg.argmax())], 3)
     held = PROMPT + [int(lg.argmax())] + a[:2]
@@ -118,12 +125,12 @@ def _check_restore(path):
     assert eng.lane_tokens(1) == held and eng.lane_reuse(1, held + [a[2], 5]) == len(held)
     (t1, l1), (t0, l0) = _greedy_lanes(eng, [1, 0], [a[2], 5], 16)
     # the restored lane: a fresh run of its tokens, whose first greedy token is the one the snapshot names
-    want, want_logits = _alone(path, held, 17)
+    want, want_logits = _alone(path, held, 17, f32_prefill=True)
     assert want[0] == a[2]
     assert t1 == want[1:]
     _close(l1, want_logits[1:])
     # the lane it was copied from goes on with its own sequence
-    want0, want0_logits = _alone(path, held + [5], 16)
+    want0, want0_logits = _alone(path, held + [5], 16, f32_prefill=True)
     assert t0 == want0
     _close(l0, want0_logits)
     # restored again: a prompt extending the snapshot computes only its new tokens (as steps: so does the run

@@ -199,6 +199,7 @@ class Engine:
                            f"not {self.n_seq}")
         self.device = torch.device(device)
         self.net = None
+        self._layer_bytes_list = None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise FleError("--device cuda: no CUDA device is available here; use --device cpu (the reference path)")
         self.cuda = self.device.type == "cuda"
@@ -863,6 +864,7 @@ class Engine:
         mk = self._host
         self._b_tok = mk(n, dt=torch.int64)
         self._b_rows = mk(n, dt=torch.int64)
+        self._b_tok_np, self._b_rows_np = self._b_tok.numpy(), self._b_rows.numpy()   # filled from lists
         self._b_next = mk(n, dt=torch.int64)
         self._b_logits = mk(n, self.args.n_vocab, dt=torch.float32)
         self._b_ids = mk(self.args.n_layer, n * k, dt=torch.int32)
@@ -954,8 +956,8 @@ class Engine:
         t_start = time.perf_counter()
         self.cache.boundary()
         t0 = time.perf_counter()
-        self._b_tok[:n] = torch.tensor(toks, dtype=torch.int64)
-        self._b_rows[:n] = torch.tensor(ls, dtype=torch.int64)
+        self._b_tok_np[:n] = toks
+        self._b_rows_np[:n] = ls
         b.toks[:n].copy_(self._b_tok[:n], non_blocking=self.cuda)
         b.rows[:n].copy_(self._b_rows[:n], non_blocking=self.cuda)
         t1 = time.perf_counter()
@@ -970,8 +972,9 @@ class Engine:
             torch.cuda.current_stream(self.device).synchronize()
         self.stats.launch_seconds += time.perf_counter() - t0
         hits = self._b_hits[:, :n * k].numpy()
-        self.cache.observe(self._b_ids[:, :n * k].numpy(), hits)
-        self._count_multi(self._b_ids[:, :n * k].numpy(), hits, n)
+        ids = self._b_ids[:, :n * k].numpy()
+        self.cache.observe(ids, hits)
+        self._count_multi(ids, hits, n)
         self.step_hits.append(int(hits.sum()))
         nxt = self._b_next[:n].tolist()
         for j, i in enumerate(ls):
@@ -1221,8 +1224,11 @@ class Engine:
                         vocab=vocab, adaptive=adaptive)
 
     def _layer_bytes(self) -> list:
-        lays = self.net.layouts
-        return [lays[il].expert_bytes if il in lays else 0 for il in range(self.args.n_layer)]   # ids_log row = layer
+        if self._layer_bytes_list is None:          # the layouts are fixed once the net is loaded
+            lays = self.net.layouts
+            self._layer_bytes_list = [lays[il].expert_bytes if il in lays else 0
+                                      for il in range(self.args.n_layer)]     # ids_log row = layer
+        return self._layer_bytes_list
 
     def miss_bytes(self, ids, hits, n_rows: int) -> dict:
         """:func:`~fle_engine.runtime.split.split_bytes` of a T-row step's

@@ -90,7 +90,8 @@ def split_bytes(ids, hits, expert_bytes, n_used: int, share: int) -> dict:
     by the one-token rule)."""
     out = dict(pcie=0, cpu=0, pcie_sum=0, cpu_sum=0)
     ids, hits = np.asarray(ids), np.asarray(hits)
-    for li in range(ids.shape[0]):
+    missed = (hits == 0).any(axis=1) if hits.size else np.zeros(ids.shape[0], dtype=bool)
+    for li in np.flatnonzero(missed).tolist():       # a layer without a miss reads nothing
         eb = int(expert_bytes[li])
         if not eb:
             continue

@@ -51,7 +51,7 @@ import torch
 
 from fle_quant.errors import FleError
 
-from ..sampling import Sampler, SamplerParams, generate_tokens
+from ..sampling import Sampler, SamplerParams, generate_tokens, sample_rows
 from ..speculative import AdaptiveDraft, SpecStats, generate_speculative
 from .. import layers as L
 from . import cache as C
@@ -262,6 +262,7 @@ class Engine:
         # a lane's sequence can be cut back to a shorter prefix when the net's state is positional (KV only)
         self._truncatable: bool | None = bool(getattr(model.net, "positional_state", False)) if self.lanes else None
         self._pools: dict[object, tuple[torch.Tensor, ...]] = {}   # per layer (and carried state), see _new_state
+        self._eog_cache: tuple[int, np.ndarray] | None = None       # see _eog_cols
         # counters for /metrics
         self.n_prompt_total = self.n_predicted_total = self.n_requests = self.n_cached_total = 0
         self.t_prompt_total = self.t_predicted_total = 0.0
@@ -711,11 +712,65 @@ class Engine:
             return
         toks = [s.task.next_token for s in feed]
         outs = self.model.step_lanes([s.id for s in feed], toks)
-        for s, tok, out in zip(feed, toks, outs):
+        rows = outs.unbind(0) if isinstance(outs, torch.Tensor) else list(outs)
+        for s, tok, out in zip(feed, toks, rows):
             s.tokens.append(tok)
             s.logits = out
             s.task.next_token = None
-            self._sample(s, out)
+        # the slots whose requests sample from the logits as they are (or with end-of-generation masked) are
+        # sampled together, from one host array of the round's rows (sample_rows); the others one by one
+        fast = [j for j, s in enumerate(feed) if self._plain(s.task.job)]
+        got = [False] * len(feed)           # per row: False (sampled by _sample), None (nothing may follow), a token
+        if fast:
+            x = outs.detach().float().cpu().numpy() if isinstance(outs, torch.Tensor) else \
+                np.array([np.asarray(r, dtype=np.float32).reshape(-1) for r in rows], dtype=np.float32)
+            every = len(fast) == len(feed)
+            if not every:
+                x = x[fast]                       # a copy of those rows
+            cols = None
+            for i, j in enumerate(fast):
+                t = feed[j].task
+                if t.t_first is None:
+                    t.t_first = time.perf_counter()
+                if t.job.ignore_eos:
+                    if cols is None:
+                        cols = self._eog_cols(x.shape[1])
+                        if every and len(cols):
+                            x = x.copy()          # the slots keep the logits as they came
+                    x[i, cols] = -np.inf
+            live = np.isfinite(x).any(axis=1)
+            if live.all():
+                picked = sample_rows([feed[j].task.sampler for j in fast], x)
+                for j, tk in zip(fast, picked):
+                    got[j] = tk
+            else:
+                keep = [i for i in range(len(fast)) if live[i]]
+                picked = sample_rows([feed[fast[i]].task.sampler for i in keep], x[keep])
+                for j in fast:
+                    got[j] = None
+                for i, tk in zip(keep, picked):
+                    got[fast[i]] = tk
+        for s, out, tk in zip(feed, rows, got):
+            if tk is False:
+                self._sample(s, out)
+            elif tk is None:
+                self._finish(s, "stop")           # nothing may follow
+            else:
+                self._accept(s, tk)
+
+    @staticmethod
+    def _plain(job: Job) -> bool:
+        """Whether a request samples from the model's logits with at most
+        its end-of-generation tokens masked (no bias, penalties, grammar or
+        probabilities)."""
+        return not (job.logit_bias or job.probs or job.constraint is not None or job.penalties.active)
+
+    def _eog_cols(self, n: int) -> np.ndarray:
+        """The end-of-generation ids below ``n``, as ``_adjusted`` masks them."""
+        cols = self._eog_cache
+        if cols is None or cols[0] != n:
+            cols = self._eog_cache = (n, np.array(sorted(e for e in self.tok.eog_ids if 0 <= e < n), dtype=np.int64))
+        return cols[1]
 
     def _adjusted(self, t: _Task, logits) -> np.ndarray:
         x = logits.detach().float().cpu().numpy().reshape(-1).copy() if isinstance(logits, torch.Tensor) \

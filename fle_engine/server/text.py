@@ -32,6 +32,8 @@ class StopScanner:
     def add(self, text: str) -> str:
         if self.stopped:
             return ""
+        if not self.stops:
+            return text
         buf = self._held + text
         hit: tuple[int, str] | None = None
         for word in self.stops:
