@@ -43,7 +43,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--miss-prefetch", type=int, default=0, metavar="N",
                    help="engine: copy up to N predicted misses per layer into GPU slots on a copy stream one layer "
                         "ahead (the next layer's router applied to this layer's input); 0 (default): off. The "
-                        "slots come out of --cache-budget; measured slower or level so far (docs/benchmarks.md)")
+                        "slots come out of --cache-budget; measured slower except with GPU-only misses at near-uniform routing "
+                        "(docs/benchmarks.md)")
     p.add_argument("--miss-activations", default="float", choices=("float", "q8"),
                    help="engine: what the GPU's misses multiply: float (default) the activations as they are; q8: "
                         "rounded as the CPU kernels quantize them (ggml's vec_dot_type), so that a token's numbers "
