@@ -94,13 +94,16 @@ def expert_bench(configs, n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -
     miss_map = torch.full((n_expert,), -1, dtype=torch.int32, device="cuda")
     out = []
     bytes_layer = k * eb
-    for cfg, fast in configs:
+    for item in configs:
+        cfg, fast = item[0], item[1]
+        pdl = len(item) > 2 and item[2]
         os.environ["FLE_EXPERT_CONFIG"] = ",".join(str(c) for c in cfg)
+        os.environ["FLE_PDL"] = "1" if pdl else "0"
         _tq.FAST_DECODE = fast in ("fast", "paired", "table")
         te.PAIRED = {"hit": fast == "paired", "miss": fast == "paired"}
         dec = "table" if fast == "table" else "permute"
         te.IQ4_DECODE = {"hit": dec, "miss": dec}
-        row = {"config": cfg, "decode": fast}
+        row = {"config": cfg, "decode": fast, "pdl": bool(pdl)}
         for name, smap in (("hit", hit_map), ("miss", miss_map)):
             def fn(smap=smap):
                 for g in range(groups):
@@ -113,6 +116,7 @@ def expert_bench(configs, n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -
         out.append(row)
         print(row, flush=True)
     os.environ.pop("FLE_EXPERT_CONFIG", None)
+    os.environ.pop("FLE_PDL", None)
     _tq.FAST_DECODE, te.PAIRED, te.IQ4_DECODE = fast_default, paired_default, decode_default
     torch.cuda.cudart().cudaHostUnregister(host_np.ctypes.data)
     return out
@@ -155,7 +159,7 @@ def read_ceiling(n_expert=128, expert_bytes=2_506_752, k=8, groups=16) -> dict:
     return {"us": t * 1e6, "GBps": k * expert_bytes / t / 1e9}
 
 
-def dense_bench() -> list[dict]:
+def dense_bench(explore: bool = False) -> list[dict]:
     import torch
 
     from fle_engine.kernels import triton_quant
@@ -173,7 +177,15 @@ def dense_bench() -> list[dict]:
         fast_default = triton_quant.FAST_DECODE
         for fast in [fast_default] + ([False] if fast_default else []):
             triton_quant.FAST_DECODE = fast
-            for launch, cfg in (("engine", _dense_config(n_out, 1)), ("16-row", None)):
+            eng = _dense_config(n_out, 1)
+            launches = [("engine", eng), ("16-row", None)]
+            if explore and fast:
+                for bn, warps in sorted({(eng.block_n, eng.num_warps), (4, 2), (8, 4), (16, 4)}):
+                    for chunks in (1, 2, 4, 8):
+                        for pdl in (False, True):
+                            launches.append((f"{bn},{warps},chunks {chunks}{', pdl' if pdl else ''}",
+                                             triton_quant.Config(bn, warps, 1, chunks=chunks, pdl=pdl)))
+            for launch, cfg in launches:
                 t = _time_graph(lambda: [triton_quant.mul_mat(m, GGMLType.Q8_0, x, out=y, config=cfg)
                                          for m in mats]) / reps
                 rows.append({"matrix": name, "launch": launch, "decode": "fast" if fast else "plain",
@@ -183,9 +195,28 @@ def dense_bench() -> list[dict]:
     return rows
 
 
+def explore_configs(hit: tuple, miss: tuple) -> list:
+    """Launches around the defaults: the gate+up kernel's rows, warps and super-blocks per
+    iteration with the default down kernel, then the down kernel's with the default gate+up,
+    each with and without programmatic dependent launch; the hit launch with its paired
+    decoder, the miss launch with the unpaired one."""
+    out = []
+    for base, dec, shapes, down in ((hit, "paired", [(8, 4), (16, 4), (4, 2)], [(16, 4), (8, 2), (32, 4)]),
+                                    (miss, "fast", [(2, 1), (1, 1), (4, 1)], [(4, 1), (8, 1), (8, 2)])):
+        for bn, w in shapes:
+            for u in (1, 2, 4, 8):
+                out.append(((bn, w, 0, u) + tuple(base[4:]), dec))
+        for bn, w in down:
+            for u in (1, 2, 4):
+                out.append((tuple(base[:4]) + (bn, w, 0, u), dec))
+    return [(c, d, p) for c, d in dict.fromkeys(out) for p in (False, True)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweep", action="store_true", help="try launch configurations of the expert kernels")
+    p.add_argument("--explore", action="store_true",
+                   help="also try super-blocks per loop iteration and programmatic dependent launch (sm_90+)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     import json
@@ -195,21 +226,28 @@ def main(argv=None) -> int:
 
     res = {"ceilings": ceilings()}
     print(res["ceilings"], flush=True)
-    miss = tuple(te.EXPERT_CONFIG["miss"][0]) + tuple(te.EXPERT_CONFIG["miss"][1])
-    base = tuple(te.EXPERT_CONFIG["hit"][0]) + tuple(te.EXPERT_CONFIG["hit"][1])
-    configs = sorted({base, miss, (4, 2, 0, 8, 2, 0), (8, 4, 0, 16, 4, 0), (2, 1, 0, 8, 2, 0), (4, 1, 0, 4, 1, 0),
-                      (1, 1, 0, 4, 1, 0), (8, 4, 0, 8, 2, 0)})
+    def full(c):          # (rows, warps, unrolled, super-blocks per iteration)
+        return tuple(c) + (1,) * (4 - len(c))
+
+    miss = full(te.EXPERT_CONFIG["miss"][0]) + full(te.EXPERT_CONFIG["miss"][1])
+    base = full(te.EXPERT_CONFIG["hit"][0]) + full(te.EXPERT_CONFIG["hit"][1])
+    configs = sorted({base, miss} | {full(c[:3]) + full(c[3:]) for c in (
+        (4, 2, 0, 8, 2, 0), (8, 4, 0, 16, 4, 0), (2, 1, 0, 8, 2, 0), (4, 1, 0, 4, 1, 0), (1, 1, 0, 4, 1, 0),
+        (8, 4, 0, 8, 2, 0))})
     if args.sweep:
         gu = [(2, 1, 0), (4, 1, 0), (4, 2, 0), (8, 2, 0), (8, 4, 0), (16, 4, 0), (32, 4, 0), (32, 8, 0)]
         dn = [(4, 1, 0), (8, 1, 0), (8, 2, 0), (16, 2, 0), (16, 4, 0), (32, 4, 0), (32, 8, 0), (64, 8, 0)]
-        configs = sorted(set(configs + [g + d for g, d in zip(gu, dn)] + [g + base[3:] for g in gu]
-                             + [base[:3] + d for d in dn]))
+        configs = sorted(set(configs + [full(g) + full(d) for g, d in zip(gu, dn)] + [full(g) + base[4:] for g in gu]
+                             + [base[:4] + full(d) for d in dn]))
     # the byte-permute IQ4 decoder with gate and up rows in one loop, in two, the code-book table, and the
     # value-by-value decoder from packed words
     decodes = ["paired", "fast", "table", "plain"] if _tq.FAST_DECODE else ["table", "plain"]
     res["read_ceiling"] = read_ceiling()
-    res["experts"] = expert_bench([(c, f) for f in decodes for c in configs])
-    res["dense"] = dense_bench()
+    items = [(c, f) for f in decodes for c in configs]
+    if args.explore:
+        items = explore_configs(base, miss) if _tq.FAST_DECODE else items
+    res["experts"] = expert_bench(items)
+    res["dense"] = dense_bench(args.explore)
     hbm, pin = res["ceilings"]["hbm_copy_GBps"], res["ceilings"]["pinned_h2d_GBps"]
     best_hit = min(res["experts"], key=lambda r: r["hit_us"])
     best_miss = min(res["experts"], key=lambda r: r["miss_us"])
@@ -229,6 +267,19 @@ def main(argv=None) -> int:
     for r in res["dense"]:
         print(f"dense {r['matrix']} ({r['launch']} launch, {r['decode']} decode): {r['GBps']:.0f} GB/s = "
               f"{r['GBps'] / hbm:.2f} of HBM")
+    for name in ("qkv", "wo", "output"):
+        rs = [r for r in res["dense"] if r["matrix"] == name]
+        if rs:
+            b = max(rs, key=lambda r: r["GBps"])
+            print(f"dense {name}: best {b['launch']} ({b['decode']}) {b['GBps']:.0f} GB/s = {b['GBps'] / hbm:.2f} of HBM")
+    for pdl in (False, True):
+        rs = [r for r in res["experts"] if r.get("pdl", False) == pdl]
+        if rs:
+            h = min(rs, key=lambda r: r["hit_us"])
+            m = min(rs, key=lambda r: r["miss_us"])
+            print(f"experts, pdl {'on' if pdl else 'off'}: slots best {h['config']} {h['decode']} {h['hit_us']:.1f} us "
+                  f"{h['hit_GBps']:.0f} GB/s = {h['hit_GBps'] / hbm:.2f}; misses best {m['config']} {m['decode']} "
+                  f"{m['miss_GBps']:.1f} GB/s = {m['miss_GBps'] / pin:.2f}")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
     return 0

@@ -289,8 +289,16 @@ def _close(a, b, tol=1e-5):
 @pytest.mark.parametrize("qtype,config,share,decode", [
     (GGMLType.IQ4_XS, None, 0, None), (GGMLType.Q8_0, None, 0, None), (GGMLType.IQ3_S, None, 0, None),
     (GGMLType.IQ4_XS, "4,1,1,8,2,1", 0, None), (GGMLType.IQ4_XS, None, 256, None), (GGMLType.Q8_0, None, 128, None),
-    (GGMLType.IQ4_XS, None, 0, "table"), (GGMLType.IQ4_XS, "8,4,0,16,4,0", 0, "permute")])
+    (GGMLType.IQ4_XS, None, 0, "table"), (GGMLType.IQ4_XS, "8,4,0,16,4,0", 0, "permute"),
+    (GGMLType.IQ4_XS, "8,4,0,2,16,4,0,4", 0, "permute"), (GGMLType.IQ4_XS, "2,1,0,4,4,1,0,2", 0, "pdl"),
+    (GGMLType.IQ4_XS, None, 128, "pdl")])
 def test_experts_kernel(fast, qtype, config, share, decode, monkeypatch):
+    # several super-blocks per loop iteration ("chunks", the 4th number of a kernel's config), and
+    # programmatic dependent launch ("pdl": on a GPU of sm_90 or later, the down product loading its
+    # first weights before it waits for the gate+up kernel)
+    if decode == "pdl":
+        monkeypatch.setenv("FLE_PDL", "1")
+        decode = "permute"
     if config:
         monkeypatch.setenv("FLE_EXPERT_CONFIG", config)      # the unrolled chunk loop, or the hit launch
     if decode:

@@ -158,7 +158,10 @@ def test_launch_variants(triton_quant, qtype, monkeypatch):
     bound = abs_bound(w[1], qtype, x)
     bound_e = torch.stack([abs_bound(w[int(i)], qtype, x[j:j + 1])[0] for j, i in enumerate(ids)])
     Config = triton_quant.Config
-    for cfg in (Config(4, 1, 1), Config(32, 2, None), Config(8, 4, 2)):
+    # and, for the one-row fast paths, several chunks per loop iteration (a clamped chunk past the row's
+    # end counts nothing) and programmatic dependent launch (a GPU of sm_90 or later; off elsewhere)
+    for cfg in (Config(4, 1, 1), Config(32, 2, None), Config(8, 4, 2), Config(4, 1, 1, chunks=2),
+                Config(8, 2, 1, chunks=4, pdl=True)):
         assert_close(triton_quant.mul_mat(w[1], qtype, x, config=cfg), want, bound, f"{qtype.name} {cfg}")
         assert_close(triton_quant.mul_mat_experts(w, qtype, x, ids, config=cfg), want_e, bound_e,
                      f"{qtype.name} experts {cfg}")

@@ -68,14 +68,16 @@ ATTN_SPLITS = 32
 @triton.jit
 def _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE: tl.constexpr, A: tl.constexpr,
                  B: tl.constexpr, C: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 UNROLL: tl.constexpr, FAST: tl.constexpr = False):
+                 UNROLL: tl.constexpr, FAST: tl.constexpr = False, U: tl.constexpr = 1, WAIT: tl.constexpr = False):
     """[BLOCK_N] products of the rows at word offsets ``row_w`` with the
     activation row at ``x_base``; ``UNROLL`` unrolls the chunk loop, so that
     every chunk's loads can be in flight at once (for reads over PCIe);
-    ``FAST``: IQ4_XS through the byte-permute decoder (1) or its code-book
+    ``FAST``: IQ4_XS through the byte-permute decoder (1: ``U`` super-blocks
+    per iteration; ``WAIT``: the first weights loaded before the wait for the
+    kernel before, see ``triton_quant._iq4_xs_rows_fast``) or its code-book
     table (2), else value by value from packed words (0)."""
     if FAST == 1 and QTYPE == 23 and not UNROLL:
-        y = _iq4_xs_rows_fast(wv, row_w, x_base, N_CHUNKS, BLOCK_N)
+        y = _iq4_xs_rows_fast(wv, row_w, x_base, N_CHUNKS, BLOCK_N, U, WAIT)
     else:
         k_in = _value_index(QTYPE, A, B, C)
         acc4 = tl.zeros([BLOCK_N, A, B, C], dtype=tl.float32)
@@ -99,7 +101,13 @@ def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
                    stride_x, stride_y, cpu_share, x_miss_delta,
                    QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
                    N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr, UNROLL: tl.constexpr,
-                   SPLIT: tl.constexpr, KP: tl.constexpr, FAST: tl.constexpr, PAIRED: tl.constexpr):
+                   SPLIT: tl.constexpr, KP: tl.constexpr, FAST: tl.constexpr, PAIRED: tl.constexpr,
+                   U: tl.constexpr = 1, GDC: tl.constexpr = False):
+    # GDC (launched with programmatic dependent launch): the down product, which reads only its
+    # activations from the gate+up kernel before it, loads its first weights before waiting for
+    # that kernel; every other form waits first (its expert ids come from the kernel before it).
+    late_wait: tl.constexpr = GDC and not GATE_UP and not SPLIT and FAST == 1 and QTYPE == 23 and not UNROLL
+    _tq._gdc_wait(GDC and not late_wait)
     pid_n = tl.program_id(0)
     r = tl.program_id(1)                      # (token, chosen expert) row
     e = tl.load(ids_ptr + r).to(tl.int64)
@@ -138,17 +146,17 @@ def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
             if PAIRED and FAST == 1 and QTYPE == 23 and not UNROLL:
                 # gate and up rows in one loop: twice the loads in flight per program
                 gu = _iq4_xs_rows_fast(wv, tl.reshape(tl.join(row_w, row_u), [2 * BLOCK_N]), x_base, N_CHUNKS,
-                                       2 * BLOCK_N)
+                                       2 * BLOCK_N, U)
                 g, u = tl.split(tl.reshape(gu, [BLOCK_N, 2]))
             else:
                 g = _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N,
-                                 UNROLL, FAST)
+                                 UNROLL, FAST, U)
                 u = _expert_rows(wv, lut_ptr, row_u, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N,
-                                 UNROLL, FAST)
+                                 UNROLL, FAST, U)
             out = g / (1.0 + tl.exp(-g)) * u
         else:
             g = _expert_rows(wv, lut_ptr, row_w, x_base, n_in, n_blocks, QTYPE, A, B, C, N_CHUNKS, BLOCK_N, UNROLL,
-                             FAST)
+                             FAST, U, late_wait)
             out = g * tl.load(wts_ptr + r)
         tl.store(y_ptr + r.to(tl.int64) * stride_y + offs_n, out, mask=mask_n)
 
@@ -158,8 +166,13 @@ def _expert_kernel(wv, lut_ptr, slot_of_ptr, ids_ptr, wts_ptr, x_ptr, y_ptr,
 # "Engine kernels at T = 1"). Reads over PCIe want many small programs (2,1 / 4,1: ~38 GB/s against ~26 for
 # 8,4 / 16,4), reads from the slots larger ones (8,4 / 16,4 with the gate and up rows in one loop: 22.5 us
 # against 32.5 us for 2,1 / 4,1). "miss" is used when a layer can miss, "hit" when every expert of every layer
-# is cached. FLE_EXPERT_CONFIG="bn,warps,unroll,bn,warps,unroll" (gate+up, down) overrides both (tuning).
-EXPERT_CONFIG = {"miss": ((2, 1, 0), (4, 1, 0)), "hit": ((8, 4, 0), (16, 4, 0))}
+# is cached. A fourth number, when given, is the IQ4_XS super-blocks per loop iteration of the byte-permute
+# path (1 when left out). FLE_EXPERT_CONFIG="bn,warps,unroll[,chunks],bn,warps,unroll[,chunks]" (gate+up,
+# down) overrides both (tuning).
+EXPERT_CONFIG = {"miss": ((2, 1, 0), (4, 1, 0)), "hit": ((8, 4, 0, 2), (16, 4, 0))}
+# Whether the expert kernels of each mode are launched with programmatic dependent launch (sm_90+; the
+# down product then loads its first weights while the gate+up kernel ends). FLE_PDL=0 / 1 overrides both.
+EXPERT_PDL = {"miss": False, "hit": False}
 # With the byte-permute decoder, whether a program reads its gate and up rows in one loop, per mode:
 # measured faster from the slots, slower over PCIe (36.4 against 37.9 GB/s at the miss launch).
 PAIRED = {"miss": False, "hit": True}
@@ -175,12 +188,26 @@ def _decode_code(mode: str) -> int:
     return 0 if code == 1 and not _tq.FAST_DECODE else code       # byte permutes need a GPU
 
 
-def _expert_config(gate_up: bool, mode: str) -> tuple[int, int, int]:
+def _expert_config(gate_up: bool, mode: str) -> tuple[int, int, int, int]:
+    """(output rows per program, warps, unrolled, super-blocks per iteration) of one expert kernel."""
     env = os.environ.get("FLE_EXPERT_CONFIG")
     if env:
         v = [int(x) for x in env.split(",")]
-        return tuple(v[0:3]) if gate_up else tuple(v[3:6])
-    return EXPERT_CONFIG[mode][0 if gate_up else 1]
+        if len(v) not in (6, 8):
+            raise ValueError("FLE_EXPERT_CONFIG takes 6 or 8 integers: bn,warps,unroll[,chunks] for gate+up, then down")
+        w = len(v) // 2
+        cfg = v[:w] if gate_up else v[w:]
+    else:
+        cfg = list(EXPERT_CONFIG[mode][0 if gate_up else 1])
+    return tuple(cfg) + (1,) * (4 - len(cfg))
+
+
+def pdl_enabled(mode: str) -> bool:
+    """Whether the expert kernels of ``mode`` use programmatic dependent launch: FLE_PDL, else
+    ``EXPERT_PDL``; never on the CPU (Triton's interpreter) or before sm_90."""
+    env = os.environ.get("FLE_PDL")
+    on = EXPERT_PDL[mode] if env is None else env == "1"
+    return bool(on) and _tq.pdl_supported()
 
 
 def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
@@ -207,7 +234,8 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
     n_blocks = row_bytes // size
     word = words.element_size()
     a, b, c = fmt.tile
-    block_n, warps, unroll = _expert_config(gate_up, mode)
+    block_n, warps, unroll, chunks = _expert_config(gate_up, mode)
+    pdl = pdl_enabled(mode) and x.is_cuda
     grid = (triton.cdiv(n_out, block_n), ids.shape[0])
     _expert_kernel[grid](
         words, _lut(qtype, fmt, words), slot_of, ids, out if weights is None else weights, x, out,
@@ -215,7 +243,8 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
         x.stride(0), out.stride(0), int(cpu_share), _delta(x, x_miss),
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
         BLOCK_N=block_n, GATE_UP=gate_up, UNROLL=bool(unroll), SPLIT=cpu_share > 0,
-        KP=triton.next_power_of_2(n_used), FAST=_decode_code(mode), PAIRED=PAIRED[mode], num_warps=warps)
+        KP=triton.next_power_of_2(n_used), FAST=_decode_code(mode), PAIRED=PAIRED[mode], U=chunks, GDC=pdl,
+        num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     return out
 
 

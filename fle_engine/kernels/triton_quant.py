@@ -35,6 +35,7 @@ that import to run the kernels with numpy on CPU tensors.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -90,57 +91,94 @@ def _q8_vals(h):
                                      pack=1)
 
 
+@functools.lru_cache(maxsize=None)
+def pdl_supported() -> bool:
+    """Programmatic dependent launch needs a GPU of compute capability 9.0 or later (never
+    Triton's interpreter)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
 @triton.jit
-def _q8_0_rows_fast(wv, row_w, x_row, n_blocks, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _gdc_wait(ON: tl.constexpr):
+    """With ``ON``: wait until the kernel before this one in the stream has finished and its
+    writes are visible (programmatic dependent launch: a kernel launched with ``launch_pdl``
+    may start while the one before it ends, and must call this before reading what that one
+    writes). A no-op otherwise."""
+    if ON:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _q8_0_rows_fast(wv, row_w, x_row, n_blocks, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    U: tl.constexpr = 1, WAIT: tl.constexpr = False):
     """[BLOCK_N] products of Q8_0 rows (halfword offsets ``row_w``) with the activations at
     ``x_row``, through the byte-permute decoder; per block the quants times the activations are
-    summed, then scaled once."""
+    summed, then scaled once. ``U`` chunks (of eight blocks) per iteration, their loads in flight
+    together; ``WAIT``: the first iteration's weights are loaded before :func:`_gdc_wait`, the
+    activations after it."""
     a = tl.arange(0, 8)
     b = tl.arange(0, 16)
-    acc = tl.zeros([BLOCK_N, 8, 16], dtype=tl.float32)
-    for kc in range(0, N_CHUNKS):
-        blk = kc * 8 + a
+    u = tl.arange(0, U)
+    acc = tl.zeros([BLOCK_N, U, 8, 16], dtype=tl.float32)
+    for k0 in range(0, N_CHUNKS, U):
+        blk = (k0 + u)[:, None] * 8 + a[None, :]                                         # [U, 8]
         in_row = blk < n_blocks
-        bw = row_w[:, None] + tl.where(in_row, blk, 0).to(tl.int64)[None, :] * 17       # [BN, 8]
+        bw = row_w[:, None, None] + tl.where(in_row, blk, 0).to(tl.int64)[None, :, :] * 17  # [BN, U, 8]
         d = _half(tl.load(wv + bw).to(tl.int32))
-        d = tl.where(in_row[None, :], d, 0.0)      # blocks past the row's end count nothing
-        h = _u16(tl.load(wv + bw[:, :, None] + 1 + b[None, None, :]))                   # [BN, 8, 16]
+        d = tl.where(in_row[None, :, :], d, 0.0)      # blocks past the row's end count nothing
+        h = _u16(tl.load(wv + bw[:, :, :, None] + 1 + b[None, None, None, :]))         # [BN, U, 8, 16]
+        if WAIT:
+            if k0 == 0:
+                _gdc_wait(True)
         v0, v1 = _q8_vals(h)
-        k = tl.where(in_row[:, None], blk[:, None] * 32 + 2 * b[None, :], 0)             # [8, 16]
-        s = v0 * tl.load(x_row + k)[None, :, :] + v1 * tl.load(x_row + k + 1)[None, :, :]
-        acc += d[:, :, None] * s
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+        k = tl.where(in_row[:, :, None], blk[:, :, None] * 32 + 2 * b[None, None, :], 0)  # [U, 8, 16]
+        s = v0 * tl.load(x_row + k)[None, :, :, :] + v1 * tl.load(x_row + k + 1)[None, :, :, :]
+        acc += d[:, :, :, None] * s
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
 @triton.jit
-def _iq4_xs_rows_fast(wv, row_w, x_base, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _iq4_xs_rows_fast(wv, row_w, x_base, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr = 1,
+                      WAIT: tl.constexpr = False):
     """[BLOCK_N] products of IQ4_XS rows (word offsets ``row_w``) with the activations at ``x_base``,
      through the byte-permute decoder: per 32-value sub-block
-    the code-book values times the activations are summed, then scaled once."""
+    the code-book values times the activations are summed, then scaled once. ``U`` super-blocks per
+    iteration, their loads in flight together (a clamped super-block past the row's end counts
+    nothing); ``WAIT``: the first iteration's weights are loaded before :func:`_gdc_wait`, the
+    activations after it."""
     a = tl.arange(0, 8)
     b = tl.arange(0, 4)
+    u = tl.arange(0, U)
     xo = 32 * a[:, None] + 4 * b[None, :]                      # [8, 4]: value 4 b of sub-block a
-    acc = tl.zeros([BLOCK_N, 8, 4], dtype=tl.float32)
-    for kc in range(0, N_CHUNKS):
-        bw = row_w + kc * 34
+    acc = tl.zeros([BLOCK_N, U, 8, 4], dtype=tl.float32)
+    for k0 in range(0, N_CHUNKS, U):
+        kc = k0 + u
+        inb = kc < N_CHUNKS
+        kc = tl.where(inb, kc, 0)
+        bw = row_w[:, None] + kc[None, :] * 34                  # [BN, U]
         h0 = tl.load(wv + bw)
         h1 = tl.load(wv + bw + 1)
-        d = _half(h0)
-        ls = ((h1[:, None] >> (4 * a)[None, :]) & 0xF) | (((h0[:, None] >> (16 + 2 * a)[None, :]) & 3) << 4)
-        dl = d[:, None] * (ls - 32).to(tl.float32)            # [BN, 8]
-        q = tl.load(wv + bw[:, None, None] + 2 + (4 * a)[None, :, None] + b[None, None, :])   # [BN, 8, 4]
-        v0, v1, v2, v3, v4, v5, v6, v7 = _iq4_vals(q)
-        xb = x_base + kc * 256 + xo
-        s = v0 * tl.load(xb)[None, :, :]
-        s += v1 * tl.load(xb + 1)[None, :, :]
-        s += v2 * tl.load(xb + 2)[None, :, :]
-        s += v3 * tl.load(xb + 3)[None, :, :]
-        s += v4 * tl.load(xb + 16)[None, :, :]
-        s += v5 * tl.load(xb + 17)[None, :, :]
-        s += v6 * tl.load(xb + 18)[None, :, :]
-        s += v7 * tl.load(xb + 19)[None, :, :]
-        acc += dl[:, :, None] * s
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+        q = tl.load(wv + bw[:, :, None, None] + 2 + (4 * a)[None, None, :, None] + b[None, None, None, :])
+        if WAIT:
+            if k0 == 0:
+                _gdc_wait(True)
+        d = tl.where(inb[None, :], _half(h0), 0.0)
+        ls = ((h1[:, :, None] >> (4 * a)[None, None, :]) & 0xF) | (((h0[:, :, None] >> (16 + 2 * a)[None, None, :]) & 3) << 4)
+        dl = d[:, :, None] * (ls - 32).to(tl.float32)          # [BN, U, 8]
+        v0, v1, v2, v3, v4, v5, v6, v7 = _iq4_vals(q)           # [BN, U, 8, 4]
+        xb = x_base + kc[:, None, None] * 256 + xo[None, :, :]  # [U, 8, 4]
+        s = v0 * tl.load(xb)[None, :, :, :]
+        s += v1 * tl.load(xb + 1)[None, :, :, :]
+        s += v2 * tl.load(xb + 2)[None, :, :, :]
+        s += v3 * tl.load(xb + 3)[None, :, :, :]
+        s += v4 * tl.load(xb + 16)[None, :, :, :]
+        s += v5 * tl.load(xb + 17)[None, :, :, :]
+        s += v6 * tl.load(xb + 18)[None, :, :, :]
+        s += v7 * tl.load(xb + 19)[None, :, :, :]
+        acc += dl[:, :, :, None] * s
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
 @triton.jit
@@ -519,12 +557,17 @@ def _qmm_kernel(wv, lut_ptr, x_ptr, y_ptr, ids_ptr,
                 n_rows, n_out, n_in, n_blocks, row_words, expert_words, n_experts, stride_x, stride_y,
                 QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, N_CHUNKS: tl.constexpr,
                 BLOCK_N: tl.constexpr, T_PAD: tl.constexpr, EXPERTS: tl.constexpr, SCAN: tl.constexpr,
-                REDUCE_ONCE: tl.constexpr, SKIP_NEGATIVE: tl.constexpr = False, FAST: tl.constexpr = False):
+                REDUCE_ONCE: tl.constexpr, SKIP_NEGATIVE: tl.constexpr = False, FAST: tl.constexpr = False,
+                U: tl.constexpr = 1, GDC: tl.constexpr = False):
     # Program (pid_n, pid_r) computes output rows [pid_n * BLOCK_N, +BLOCK_N) for a set of
     # activation rows, T_PAD at a time: plain, the pid_r-th group of T_PAD rows; experts with
     # SCAN > 0 (a power of two >= n_rows), every row whose expert is that of row pid_r, if pid_r is
     # the first row with that expert (other programs have nothing to do); experts with SCAN == 0,
-    # row pid_r alone.
+    # row pid_r alone. GDC (launched with programmatic dependent launch): the one-row fast paths of
+    # plain products load their first weights before waiting for the kernel before them, every
+    # other path waits first.
+    early_wait: tl.constexpr = GDC and not (REDUCE_ONCE and FAST and (QTYPE == 8 or QTYPE == 23) and not EXPERTS)
+    _gdc_wait(early_wait)
     pid_n = tl.program_id(0)
     pid_r = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -570,9 +613,10 @@ def _qmm_kernel(wv, lut_ptr, x_ptr, y_ptr, ids_ptr,
             tok = tl.sum(rows, axis=0)
             if FAST and QTYPE == 8:
                 acc += _q8_0_rows_fast(wv, row_w, x_ptr + tok.to(tl.int64) * stride_x, n_blocks, N_CHUNKS,
-                                       BLOCK_N)[None, :]
+                                       BLOCK_N, U, GDC and not early_wait)[None, :]
             elif FAST and QTYPE == 23:
-                acc += _iq4_xs_rows_fast(wv, row_w, x_ptr + tok.to(tl.int64) * stride_x, N_CHUNKS, BLOCK_N)[None, :]
+                acc += _iq4_xs_rows_fast(wv, row_w, x_ptr + tok.to(tl.int64) * stride_x, N_CHUNKS, BLOCK_N, U,
+                                         GDC and not early_wait)[None, :]
             else:
                 acc4 = tl.zeros([BLOCK_N, A, B, C], dtype=tl.float32)
                 for kc in range(0, N_CHUNKS):
@@ -639,6 +683,8 @@ class Config:
     block_n: int = 16
     num_warps: int = 4
     t_pad: "int | None" = None
+    chunks: int = 1         # chunks per loop iteration of the one-row fast paths (Q8_0, IQ4_XS)
+    pdl: bool = False       # programmatic dependent launch (sm_90+): may start before the kernel before it ends
 
 
 # Measured on an H200 (bench/kernels.py --tune): Q8_0's decoded tile is cheap but its
@@ -691,13 +737,15 @@ def _launch(w: Tensor, qtype: GGMLType, x: Tensor, y: Tensor, ids: "Tensor | Non
     wv = _words(w, fmt.word)
     word = wv.element_size()
     a, b, c = fmt.tile
+    pdl = cfg.pdl and x.is_cuda and pdl_supported()
     _qmm_kernel[(triton.cdiv(n_out, cfg.block_n), grid_r)](
         wv, _lut(qtype, fmt, w), x, y, y if ids is None else ids,
         n_rows, n_out, row_bytes // size * values, n_blocks, row_bytes // word, n_out * row_bytes // word,
         w.shape[0] if ids is not None else 1, x.stride(0), y.stride(0),
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
         BLOCK_N=cfg.block_n, T_PAD=t_pad, EXPERTS=ids is not None, SCAN=scan, REDUCE_ONCE=t_pad == 1,
-        SKIP_NEGATIVE=skip_negative, FAST=FAST_DECODE, num_warps=cfg.num_warps)
+        SKIP_NEGATIVE=skip_negative, FAST=FAST_DECODE, U=cfg.chunks, GDC=pdl, num_warps=cfg.num_warps,
+        **({"launch_pdl": True} if pdl else {}))
 
 
 def mul_mat(w: Tensor, qtype: GGMLType, x: Tensor, config: "Config | None" = None,
