@@ -483,7 +483,7 @@ def experts_union(words: Tensor, qtype: GGMLType, host_delta: int, part_words: i
     n_blocks = row_bytes // size
     word = words.element_size()
     a, b, c = fmt.tile
-    block_n, warps, _ = _expert_config(gate_up, mode)
+    block_n, warps, _unroll, _chunks = _expert_config(gate_up, mode)
     n_rows = ids.shape[0]
     grid = (triton.cdiv(n_out, block_n), n_rows)
     _expert_union_kernel[grid](
