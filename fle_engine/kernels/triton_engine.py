@@ -176,10 +176,11 @@ EXPERT_PDL = {"miss": False, "hit": False}
 # With the byte-permute decoder, whether a program reads its gate and up rows in one loop, per mode:
 # measured faster from the slots, slower over PCIe (36.4 against 37.9 GB/s at the miss launch).
 PAIRED = {"miss": False, "hit": True}
-# The IQ4_XS decoder of each mode: "permute" (byte permutes, the default on a GPU), "table" (a code-book load
-# per value: the decoder of the morning runs that read 43 GB/s over PCIe, not yet measured against "permute"
-# in one process) or "select" (packed words; what Triton's interpreter and FLE_FAST_DECODE=0 run).
-IQ4_DECODE = {"miss": "permute", "hit": "permute"}
+# The IQ4_XS decoder of each mode: "permute" (byte permutes), "table" (a code-book load per value) or "select"
+# (packed words; what Triton's interpreter and FLE_FAST_DECODE=0 run). Measured in one process on the H200
+# (bench/engine_kernels.py, docs/benchmarks.md): over PCIe "table" reads 43.2 GB/s against 41.0 for "permute"
+# (the link, not the decoder, sets the pace, and the table's loads hit L1); from slots "permute" is faster.
+IQ4_DECODE = {"miss": "table", "hit": "permute"}
 _DECODE_CODE = {"select": 0, "permute": 1, "table": 2}
 
 
