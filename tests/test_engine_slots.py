@@ -204,6 +204,8 @@ def test_batched_step_reads_each_expert_once(files, arch, monkeypatch):
         assert int(reads.sum()) == len(set(ids.tolist()))
         shared += ids.numel() - int(reads.sum())
     assert shared > 0
+    assert eng.cache.stats.steps == steps0          # the policy sees a batched step one step late ...
+    eng.flush()                                     # ... or when asked
     assert eng.cache.stats.steps == steps0 + 1
     assert eng.cache.stats.requests == req0 + a.n_layer * 3 * a.n_expert_used
     eng.close()
@@ -230,6 +232,48 @@ def test_lane_keeps_its_sequence_between_prompts(files, arch):
     more, _ = _alone(path, PROMPTS[1], 5)
     assert int(out[0].argmax()) == more[4]
     eng.close()
+
+
+def test_launch_and_finish_lanes_overlap_the_policy(files):
+    """``launch_lanes`` / ``finish_lanes`` (the halves of ``step_lanes``): the
+    same logits as ``step_lanes``; while a step is in flight every lane call
+    and a second launch are refused; the routing of step t reaches the
+    policy at step t + 1's launch (one step late), ``flush`` at once, and
+    every step's routing is counted once."""
+    path = files["qwen3moe"]
+    a_eng, b_eng = _engine(path, ctx=2 * 64, n_seq=2), _engine(path, ctx=2 * 64, n_seq=2)
+    for e in (a_eng, b_eng):
+        for lane, p in enumerate(PROMPTS[:2]):
+            e.lane_prompt(lane, p)
+    s0 = b_eng.cache.stats.steps
+    toks = [5, 6]
+    for step in range(4):
+        want = a_eng.step_lanes([0, 1], toks)
+        b_eng.launch_lanes([0, 1], toks)
+        # step t - 1's routing went to the policy at this launch; this step's is not read yet
+        assert b_eng.cache.stats.steps == s0 + step
+        with pytest.raises(FleError, match="in flight"):
+            b_eng.launch_lanes([0, 1], toks)
+        with pytest.raises(FleError, match="in flight"):
+            b_eng.lane_prompt(0, [1, 2])
+        with pytest.raises(FleError, match="in flight"):
+            b_eng.flush()
+        got = b_eng.finish_lanes()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert b_eng.next_tokens == a_eng.next_tokens
+        toks = list(b_eng.next_tokens)
+    assert b_eng.cache.stats.steps == s0 + 3
+    b_eng.flush()
+    b_eng.flush()                                   # nothing left: counted once
+    assert b_eng.cache.stats.steps == s0 + 4 and b_eng.stats.multi_steps == 4
+    a_eng.flush()
+    assert a_eng.cache.stats.requests == b_eng.cache.stats.requests
+    assert list(a_eng.step_hits) == list(b_eng.step_hits)
+    with pytest.raises(FleError, match="no batched step"):
+        b_eng.finish_lanes()
+    b_eng.launch_lanes([1], [7])
+    b_eng.close()                                   # a step in flight is read before closing
+    a_eng.close()
 
 
 def test_lane_options_and_refusals(files):

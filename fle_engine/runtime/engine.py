@@ -490,6 +490,7 @@ class Engine:
     def save_stats(self, path, force: bool = False) -> None:
         """The cache's hit counts per decode step as ``fle.engine-stats/1``
         JSON (``fle-plot hit-rate`` draws them)."""
+        self._flush_lanes()
         from fle_quant.textio import write_json_atomic
 
         a = self.args
@@ -501,6 +502,7 @@ class Engine:
     def save_profile(self) -> None:
         if self.profile_path is None:
             return
+        self._flush_lanes()
         self.profile_path.parent.mkdir(parents=True, exist_ok=True)
         save_profile(self.profile_path, Profile(self.fingerprint, self.cache.profile_counts()))
         self._last_profile_save = time.monotonic()
@@ -596,6 +598,7 @@ class Engine:
     # stepping ---------------------------------------------------------------------
     def _launch(self, token: "int | None") -> None:
         st = self.state
+        self._flush_lanes()
         self.cache.boundary()
         t0 = time.perf_counter()
         i = self.launched % _RING
@@ -714,6 +717,7 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise FleError("generation needs at least one prompt token")
+        self._flush_lanes()
         if len(prompt) >= self.ctx_size:
             raise FleError(f"the prompt has {len(prompt)} tokens; the context holds {self.ctx_size}")
         n_predict = max(0, min(int(n_predict), self.ctx_size - len(prompt)))   # stop at the context's end
@@ -867,8 +871,14 @@ class Engine:
         self._b_tok_np, self._b_rows_np = self._b_tok.numpy(), self._b_rows.numpy()   # filled from lists
         self._b_next = mk(n, dt=torch.int64)
         self._b_logits = mk(n, self.args.n_vocab, dt=torch.float32)
-        self._b_ids = mk(self.args.n_layer, n * k, dt=torch.int32)
-        self._b_hits = mk(self.args.n_layer, n * k, dt=torch.int32)
+        # the routing logs of two consecutive steps: step t's is read by the host (the cache policy) while step
+        # t + 1 runs and copies its own into the other pair
+        self._b_ids = [mk(self.args.n_layer, n * k, dt=torch.int32) for _ in range(2)]
+        self._b_hits = [mk(self.args.n_layer, n * k, dt=torch.int32) for _ in range(2)]
+        self._b_parity = 0
+        self._lanes_inflight = None      # (lanes, tokens, rows, start time, parity) of the step launched, not read
+        self._lanes_routing = None       # (parity, rows) of the last step read, its routing not yet observed
+        self._lanes_ev = torch.cuda.Event() if self.cuda else None
         self._lane_graphs, self._lane_pool = {}, None
 
     def select(self, lane: int) -> None:
@@ -878,6 +888,9 @@ class Engine:
         lane = int(lane)
         if not 0 <= lane < self.n_seq:
             raise FleError(f"lane {lane}: the engine holds lanes 0..{self.n_seq - 1}")
+        if getattr(self, "_lanes_inflight", None) is not None:
+            raise FleError("internal: a lane call while a batched step is in flight (finish_lanes reads it)")
+        self._flush_lanes()
         if lane == self._lane:
             return
         if self.launched != self.consumed:
@@ -935,10 +948,23 @@ class Engine:
         lane's cache, the routed experts of all rows as one union: each
         distinct expert read once; one CUDA graph per batch size with
         CUDA). Returns the logits of every row, float32 [B, V] on the host;
-        the cache policy sees all B rows' routed ids as one step. The greedy
-        token after each row is in ``next_tokens``."""
+        the cache policy sees all B rows' routed ids as one step, one step
+        late (at the next step's launch, while it runs; :meth:`flush` gives
+        it at once). The greedy token after each row is in ``next_tokens``.
+        :meth:`launch_lanes` and :meth:`finish_lanes` are its two halves."""
+        self.launch_lanes(lanes, tokens)
+        return self.finish_lanes()
+
+    def launch_lanes(self, lanes: Sequence[int], tokens: Sequence[int]) -> None:
+        """The first half of :meth:`step_lanes`: the batched step launched
+        (with CUDA it runs on the device while this returns), then the
+        routing of the step before it given to the cache policy, so that
+        the policy's host work overlaps this step. Until :meth:`finish_lanes`
+        reads it, no other call may use the lanes (they refuse)."""
         if self._lanes is None:
             raise FleError("step_lanes needs an engine of several sequences (n_seq > 1)")
+        if self._lanes_inflight is not None:
+            raise FleError("internal: a batched step is already in flight (finish_lanes reads it)")
         ls, toks = [int(i) for i in lanes], [int(t) for t in tokens]
         n = len(ls)
         if not 1 <= n <= self.n_seq or len(toks) != n or len(set(ls)) != n or not all(
@@ -963,24 +989,39 @@ class Engine:
         t1 = time.perf_counter()
         self._run_lanes(n)
         self.stats.replay_seconds += time.perf_counter() - t1
+        par = self._b_parity = 1 - self._b_parity
         m = b.multi
         for dst, src in ((self._b_logits[:n], m.logits[:n]), (self._b_next[:n], b.next_toks[:n]),
-                         (self._b_ids[:, :n * k], m.ids_log[:, :n * k]),
-                         (self._b_hits[:, :n * k], m.hit_log[:, :n * k])):
+                         (self._b_ids[par][:, :n * k], m.ids_log[:, :n * k]),
+                         (self._b_hits[par][:, :n * k], m.hit_log[:, :n * k])):
             dst.copy_(src, non_blocking=self.cuda)
         if self.cuda:
-            torch.cuda.current_stream(self.device).synchronize()
+            self._lanes_ev.record(torch.cuda.current_stream(self.device))
+        for i in ls:
+            self._lanes[i].launched += 1          # in flight: the lane refuses other calls until it is read
+        self._unpark(self._lane)
+        self._lanes_inflight = (ls, toks, n, t_start, par)
         self.stats.launch_seconds += time.perf_counter() - t0
-        hits = self._b_hits[:, :n * k].numpy()
-        ids = self._b_ids[:, :n * k].numpy()
-        self.cache.observe(ids, hits)
-        self._count_multi(ids, hits, n)
-        self.step_hits.append(int(hits.sum()))
+        self._flush_lanes()                       # the step before: its routing to the policy, while this one runs
+
+    def finish_lanes(self) -> torch.Tensor:
+        """The second half of :meth:`step_lanes`: waits for the launched
+        batched step and returns its logits, float32 [B, V] on the host
+        (``next_tokens``: the greedy token after each row)."""
+        if self._lanes_inflight is None:
+            raise FleError("internal: no batched step in flight (launch_lanes starts one)")
+        ls, toks, n, t_start, par = self._lanes_inflight
+        self._lanes_inflight = None
+        t0 = time.perf_counter()
+        if self.cuda:
+            self._lanes_ev.synchronize()
+        self.stats.launch_seconds += time.perf_counter() - t0
+        self._lanes_routing = (par, n)
+        self._park()
         nxt = self._b_next[:n].tolist()
         for j, i in enumerate(ls):
             rec = self._lanes[i]
             rec.history.append(toks[j])
-            rec.launched += 1
             rec.consumed += 1
             rec.length = rec.launched + 1
             rec._last_tok = nxt[j]
@@ -992,6 +1033,28 @@ class Engine:
         self.stats.gen_tokens += n
         self.stats.gen_seconds += time.perf_counter() - t_start
         return self._b_logits[:n].clone()
+
+    def flush(self) -> None:
+        """The routing of the last batched step read (:meth:`finish_lanes`)
+        given to the cache policy and the counters now (``cache.stats``,
+        ``stats.multi_*``, ``step_hits``); otherwise the next step's launch
+        or any other use of the engine gives it."""
+        if getattr(self, "_lanes_inflight", None) is not None:
+            raise FleError("internal: a batched step is in flight (finish_lanes reads it)")
+        self._flush_lanes()
+
+    def _flush_lanes(self) -> None:
+        r = getattr(self, "_lanes_routing", None)
+        if r is None:
+            return
+        self._lanes_routing = None
+        par, n = r
+        k = self.args.n_expert_used
+        hits = self._b_hits[par][:, :n * k].numpy()
+        ids = self._b_ids[par][:, :n * k].numpy()
+        self.cache.observe(ids, hits)
+        self._count_multi(ids, hits, n)
+        self.step_hits.append(int(hits.sum()))
 
     def _run_lanes(self, n: int) -> None:
         """The batched step of n rows on the device (its graph replayed, or eagerly)."""
@@ -1322,6 +1385,9 @@ class Engine:
                 "hit_rate": float(hits_h.mean()) if hits_h.size else 1.0}
 
     def close(self) -> None:
+        if getattr(self, "_lanes_inflight", None) is not None:
+            self.finish_lanes()
+        self._flush_lanes()
         if getattr(self, "cache", None) is not None and self.profile_path is not None:
             try:
                 self.save_profile()
