@@ -46,8 +46,8 @@ from fle_quant.synth import make_model
 def _count_decode_cpu(engine) -> dict:
     """Accumulate the decode thread's own CPU time over its rounds (the
     model and the scheduler, without the HTTP side), and the rounds' wall
-    time split into the engine's calls (on lanes ``step_lanes`` and
-    ``lane_prompt``; on one sequence its decode steps ``_launch`` /
+    time split into the engine's calls (on lanes ``launch_lanes``,
+    ``finish_lanes`` (its wait for the step) and ``lane_prompt``; on one sequence its decode steps ``_launch`` /
     ``_consume`` and prefill) and the rest of the round: the server's host
     work (sampling, text, bookkeeping)."""
     acc = {"cpu": 0.0, "round": 0.0, "engine": 0.0, "rounds": 0, "tokens": 0}
@@ -66,7 +66,7 @@ def _count_decode_cpu(engine) -> dict:
 
     engine._round = timed
     model = engine.model
-    names = () if not engine.runtime else ("step_lanes", "lane_prompt") if engine.lanes else \
+    names = () if not engine.runtime else ("launch_lanes", "finish_lanes", "lane_prompt") if engine.lanes else \
         ("_launch", "_consume", "_prefill_prompt")          # (the reference path: all of a round is "the rest")
     for name in names:
         real = getattr(model, name, None)

@@ -20,7 +20,10 @@ attends (and runs the delta rule) for all slots at once instead of once
 per slot. On the GPU engine holding one lane per slot
 (``runtime.Engine(n_seq=N)``) a slot's prompt runs on its lane and each
 round is one batched decode step of every slot with a token to feed
-(``step_lanes``), sampled per slot on the host with the reference path's
+(``launch_lanes``), read back at the start of the next round
+(``finish_lanes``), so that the decode loop's own work between rounds and
+the engine's cache policy overlap the step on the device; the rows are
+sampled per slot on the host with the reference path's
 chain (logit bias, penalties, ignore_eos, grammar mask, probabilities);
 the RAM prompt cache and slot files hold lane snapshots there
 (``lane_snapshot`` / ``lane_restore``). With MTP drafts, or an engine of
@@ -263,6 +266,7 @@ class Engine:
         self._truncatable: bool | None = bool(getattr(model.net, "positional_state", False)) if self.lanes else None
         self._pools: dict[object, tuple[torch.Tensor, ...]] = {}   # per layer (and carried state), see _new_state
         self._eog_cache: tuple[int, np.ndarray] | None = None       # see _eog_cols
+        self._inflight: tuple[list, list] | None = None     # the batched step on the lanes launched, not read
         # counters for /metrics
         self.n_prompt_total = self.n_predicted_total = self.n_requests = self.n_cached_total = 0
         self.t_prompt_total = self.t_predicted_total = 0.0
@@ -357,6 +361,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
+                if self._inflight is not None and (self._stopping or (
+                        self._pending and not all(s.busy for s in self.slots))):
+                    self._land_safely()     # a request is about to take a slot (lane calls), or the server stops
                 while not self._stopping and not self._assignable() and not any(s.busy for s in self.slots):
                     self._cv.wait()
                 if self._stopping:
@@ -645,6 +652,9 @@ class Engine:
 
     def _round(self, active: list[Slot]) -> None:
         self.n_rounds += 1
+        if self._inflight is not None:
+            self._land()
+            active = [s for s in active if s.task is not None]
         for s in active:
             if s.task.cancel.is_set() or self._stopping:
                 self._finish(s, "abort" if self._stopping else "stop", cancelled=True)
@@ -695,7 +705,9 @@ class Engine:
         """A round on the engine's lanes (slot i = lane i): a slot's new
         prompt runs on its lane (prefill, or one-token steps; what the lane
         already holds of it is kept), then one batched step of one token
-        for every slot that has one to feed."""
+        for every slot that has one to feed, launched: the next round reads
+        and samples it (:meth:`_land`), or the loop does before a request
+        takes a slot."""
         for s in active:
             t = s.task
             if t.pos < len(t.job.prompt):
@@ -711,12 +723,41 @@ class Engine:
         if not feed:
             return
         toks = [s.task.next_token for s in feed]
-        outs = self.model.step_lanes([s.id for s in feed], toks)
+        self.model.launch_lanes([s.id for s in feed], toks)
+        self._inflight = (feed, toks)       # read by the next round (_land), or before a lane call
+
+    def _land_safely(self) -> None:
+        """:meth:`_land` outside a round: a failure fails the step's requests."""
+        feed = self._inflight[0]
+        try:
+            self._land()
+        except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
+            traceback.print_exc(file=sys.stderr)
+            for s in feed:
+                if s.task is not None:
+                    self._fail(s, e)
+
+    def _land(self) -> None:
+        """Read the batched step in flight: each row's token and logits go
+        to its slot (the lane holds them now), then the rows of the slots
+        still running are sampled; a cancelled one is left to the round's
+        check."""
+        feed, toks = self._inflight
+        self._inflight = None
+        outs = self.model.finish_lanes()
         rows = outs.unbind(0) if isinstance(outs, torch.Tensor) else list(outs)
         for s, tok, out in zip(feed, toks, rows):
             s.tokens.append(tok)
             s.logits = out
-            s.task.next_token = None
+            if s.task is not None:
+                s.task.next_token = None
+        keep = [j for j, s in enumerate(feed)
+                if s.task is not None and not s.task.cancel.is_set() and not self._stopping]
+        if len(keep) < len(feed):
+            feed, rows = [feed[j] for j in keep], [rows[j] for j in keep]
+            outs = torch.stack(rows) if rows and isinstance(outs, torch.Tensor) else rows
+        if not feed:
+            return
         # the slots whose requests sample from the logits as they are (or with end-of-generation masked) are
         # sampled together, from one host array of the round's rows (sample_rows); the others one by one
         fast = [j for j, s in enumerate(feed) if self._plain(s.task.job)]
