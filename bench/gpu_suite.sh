@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU machine's measurement set, each stage's output (logs, JSON) into OUT:
+#   bench/gpu_suite.sh OUT LLAMA_SRC [STAGE ...]
+# LLAMA_SRC: llama.cpp source for upstream's llama-bench (a directory, the llama-cpp-python sdist or a
+# tarball; built once into /tmp/fle-bench, about 6 minutes on 16 cores, started in the background first).
+# Stages (default: tests slots prefill), run in this order:
+#   tests    the GPU tests of the engine (greedy tokens and KLD against the reference, the captured step,
+#            the kernels, the lanes), pytest -n 4
+#   slots    fle-engine serve with 2 slots against 1 on the GPU engine, factory models of qwen3moe and
+#            qwen4exp (bench/serve_slots.py --engine)
+#   prefill  FLE prefill against upstream's best micro-batch at 4k and 8k tokens, 30B-A3B shape, 1/3 of the
+#            expert bytes on the GPU, calibrated routing (bench/engine.py --prefill); waits for the build
+#   decode   FLE decode against upstream at the same GPU bytes, near-uniform and calibrated routing
+# One stage's failure is logged and the next one runs; the exit status is the number of stages that failed.
+set -uo pipefail
+OUT=${1:?usage: bench/gpu_suite.sh OUT LLAMA_SRC [STAGE ...]}
+SRC=${2:?usage: bench/gpu_suite.sh OUT LLAMA_SRC [STAGE ...]}
+shift 2
+STAGES=${*:-tests slots prefill}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT" /tmp/fle-bench
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+LLAMA_BENCH=/tmp/fle-bench/llama-build/bin/llama-bench
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/machine.txt" 2>&1
+{ date -u; git rev-parse HEAD 2>/dev/null || true; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } >> "$OUT/machine.txt" 2>&1
+
+build_pid=
+if [ ! -x "$LLAMA_BENCH" ] && [[ " $STAGES " =~ " prefill " || " $STAGES " =~ " decode " ]]; then
+    python3 -c "
+import sys; sys.path.insert(0, 'bench')
+from pathlib import Path
+from engine import build_llama_bench
+build_llama_bench(Path(sys.argv[1]), Path('/tmp/fle-bench'))" "$SRC" > "$OUT/build.log" 2>&1 &
+    build_pid=$!
+fi
+
+failed=0
+stage() {   # stage NAME COMMAND...
+    local name=$1; shift
+    echo "== $name: $* ($(date -u +%H:%M:%S))" | tee -a "$OUT/stages.log"
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc ($(date -u +%H:%M:%S))" | tee -a "$OUT/stages.log"
+    [ "$rc" = 0 ] || failed=$((failed + 1))
+}
+wait_build() {
+    if [ -n "$build_pid" ]; then wait "$build_pid" || { echo "llama-bench build failed: $OUT/build.log"; return 1; }; fi
+}
+
+for s in $STAGES; do
+    case $s in
+        tests) stage tests python3 -m pytest -q -n 4 tests/test_engine.py tests/test_engine_slots.py \
+                   -k "greedy or kld or captured or experts_kernel or lanes or slots" ;;
+        slots) for arch in qwen3moe qwen4exp; do
+                   stage "slots-$arch" python3 bench/serve_slots.py --arch "$arch" --engine --device cuda \
+                       --clients 8 --tokens 256 --repeat 2
+               done ;;
+        prefill) wait_build && stage prefill python3 bench/engine.py --llama-bench "$LLAMA_BENCH" \
+                     --prefill 4096,8192 --no-decode --routing calibrated -r 2 --fle-ubatch 8192 \
+                     --json "$OUT/prefill.json" ;;
+        decode) wait_build && stage decode python3 bench/engine.py --llama-bench "$LLAMA_BENCH" -n 64 -r 2 \
+                    --routing uniform,calibrated --no-all-gpu --json "$OUT/decode.json" ;;
+        *) echo "unknown stage $s (tests, slots, prefill, decode)"; failed=$((failed + 1)) ;;
+    esac
+done
+exit $failed
