@@ -6,8 +6,8 @@
 # Stages (default: tests slots prefill), run in this order:
 #   tests    the GPU tests of the engine (greedy tokens and KLD against the reference, the captured step,
 #            the kernels, the lanes), pytest -n 4
-#   slots    fle-engine serve with 2 slots against 1 on the GPU engine, factory models of qwen3moe and
-#            qwen4exp (bench/serve_slots.py --engine)
+#   slots    fle-engine serve with 2 slots against 1 on the GPU engine, factory models of qwen3moe, qwen3next,
+#            and qwen4exp (bench/serve_slots.py --engine)
 #   prefill  FLE prefill against upstream's best micro-batch at 4k and 8k tokens, 30B-A3B shape, 1/3 of the
 #            expert bytes on the GPU, calibrated routing (bench/engine.py --prefill); waits for the build
 #   decode   FLE decode against upstream at the same GPU bytes, near-uniform and calibrated routing
@@ -51,9 +51,9 @@ for s in $STAGES; do
     case $s in
         tests) stage tests python3 -m pytest -q -n 4 tests/test_engine.py tests/test_engine_slots.py \
                    -k "greedy or kld or captured or experts_kernel or lanes or slots" ;;
-        slots) for arch in qwen3moe qwen4exp; do
+        slots) for arch in qwen3moe qwen3next qwen4exp; do
                    stage "slots-$arch" python3 bench/serve_slots.py --arch "$arch" --engine --device cuda \
-                       --clients 8 --tokens 256 --repeat 2
+                       --clients 8 --tokens 256 --repeat 3
                done ;;
         prefill) wait_build && stage prefill python3 bench/engine.py --llama-bench "$LLAMA_BENCH" \
                      --prefill 4096,8192 --no-decode --routing calibrated -r 2 --fle-ubatch 8192 \
