@@ -92,7 +92,7 @@ def third_budget(path: Path) -> int:
 
 
 def run(model: Path, budget, device: str, warmup: int, reps: int, draft_ms: float, accept, seed: int,
-        miss_split: str = "gpu") -> dict:
+        miss_split: str = "gpu", profile: tuple = ()) -> dict:
     from fle_engine.runtime import Engine
 
     ctx = max(256, warmup + 64)
@@ -118,9 +118,36 @@ def run(model: Path, budget, device: str, warmup: int, reps: int, draft_ms: floa
             r["ratio"] = r["seconds"] / t_0
             r["expected_tokens"] = expected_tokens(accept, n)
             r["modelled_tok_s"] = r["expected_tokens"] / (r["seconds"] + n * draft_ms * 1e-3)
+        if profile:
+            res["profile"] = {str(n): profile_kernels(eng, 1 + n, min(reps, 20), seed + n) for n in profile}
     finally:
         eng.close()
     return res
+
+
+def profile_kernels(eng, n_tok: int, reps: int, seed: int, top: int = 14) -> list[dict]:
+    """GPU time per step of each kernel (by name, summed over its launches in
+    the step) of the T = ``n_tok`` step, from torch's profiler over ``reps``
+    replays of :meth:`step_cost` (CUPTI records the kernels that a replayed
+    CUDA graph runs); the ``top`` largest, and the total over all kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng.step_cost(n_tok, reps=2, seed=seed)              # captured and warm before the profiled replays
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eng.step_cost(n_tok, reps=reps, seed=seed)
+    per = {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        d = per.setdefault(e.name, [0.0, 0])
+        d[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        d[1] += 1
+    steps = reps + 1                                      # step_cost runs one unmeasured step before its reps
+    rows = [{"kernel": k, "us_per_step": v[0] / steps, "launches_per_step": v[1] / steps} for k, v in per.items()]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    return [{"kernel": "(all kernels)", "us_per_step": total,
+             "launches_per_step": sum(r["launches_per_step"] for r in rows)}] + rows[:top]
 
 
 def report(res: dict) -> None:
@@ -145,6 +172,10 @@ def report(res: dict) -> None:
     print(f"* MODELLED, not measured: from the measured step costs and the report's acceptance ({a} for drafts "
           f"1, 2, 3), rate = E(n) / (T(n) + n x {res['draft_ms']:g} ms draft cost per drafted token"
           + (", i.e. drafting taken as free)" if res["draft_ms"] == 0 else ")"))
+    for n, rows in res.get("profile", {}).items():
+        print(f"kernels of the T = {1 + int(n)} step (GPU us per step, launches per step):")
+        for r in rows:
+            print(f"  {r['us_per_step']:>9.1f} us {r['launches_per_step']:>6.1f}  {r['kernel'][:100]}")
 
 
 def main(argv=None) -> int:
@@ -168,6 +199,8 @@ def main(argv=None) -> int:
     p.add_argument("--miss-split", default="gpu",
                    help="the engine's --miss-split (gpu, cpu, auto or the CPU's fraction): with a CPU share, each "
                         "step's distinct misses are split between the CPU and PCIe (default gpu)")
+    p.add_argument("--profile", default="", help="draft counts (e.g. 0,2) whose step's kernels are profiled: GPU "
+                   "time per step of each kernel, the largest printed")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
 
@@ -175,11 +208,14 @@ def main(argv=None) -> int:
     from fle_quant.errors import FleError
 
     try:
+        if args.profile and args.device != "cuda":
+            raise FleError("--profile reads the GPU's kernels: it needs --device cuda")
         path = args.model or bench_file(args.shape, args.routing, args.work)
         budget = third_budget(path) if args.cache_budget == "third" else parse_budget(args.cache_budget)
         accept = tuple(float(x) for x in args.accept.split(","))
         res = run(path, "auto" if budget is None else budget, args.device, args.warmup, args.reps, args.draft_ms,
-                  accept, args.seed, miss_split=args.miss_split)
+                  accept, args.seed, miss_split=args.miss_split,
+                  profile=tuple(int(x) for x in args.profile.split(",") if x.strip()))
     except FleError as e:
         raise SystemExit(f"verify_step: {e}") from None
     report(res)
