@@ -526,6 +526,37 @@ def test_server_follow_up_turn_reuses_its_slot(files, arch):
     rt.close()
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_server_stop_string_then_follow_up_on_lanes(files, arch):
+    """A lane's answer ended by a stop string while the other slot decodes
+    (its text is scanned once its next step is launched, so the lane has run
+    one token more than it answered): a follow-up on that slot reuses what the
+    lane holds and answers as a cold run, for the recurrent states too."""
+    import threading
+
+    from fle_engine.sampling import SamplerParams
+    from fle_engine.server.slots import Job
+
+    srv, rt = _serve(files[arch], 2, f32_prefill=True)
+    greedy = SamplerParams(temp=0.0, seed=0)
+    a = [10 + (i * 7919) % 400 for i in range(20)]
+    b = [20 + (i * 131) % 300 for i in range(18)]
+    want = srv.run(Job(a, 24, greedy, ignore_eos=True, id_slot=0), threading.Event(), None)
+    stop = want.text[len(want.text) // 2:][:2]
+    fb = srv.submit(Job(b, 40, greedy, ignore_eos=True, id_slot=1), threading.Event(), None)
+    ra = srv.run(Job(a, 24, greedy, ignore_eos=True, id_slot=0, stop=[stop]), threading.Event(), None)
+    rb = fb.result(timeout=600)
+    assert ra.finish_reason == "stop" and ra.stop_word == stop and want.text.startswith(ra.text)
+    assert ra.tokens == want.tokens[:len(ra.tokens)] and rb.n_generated == 40
+    follow = a + ra.tokens + [11, 12, 13]
+    warm = srv.run(Job(follow, 6, greedy, ignore_eos=True, id_slot=0), threading.Event(), None)
+    cold = srv.run(Job(follow, 6, greedy, ignore_eos=True, id_slot=0, cache_prompt=False), threading.Event(), None)
+    assert warm.n_cached >= len(a) + len(ra.tokens) - 1     # the lane kept its answer (and the token after it)
+    assert cold.n_cached == 0 and warm.tokens == cold.tokens
+    srv.stop()
+    rt.close()
+
+
 def test_server_cancel_and_stop_strings_on_lanes(files):
     """A cancelled request ends (cancelled) without disturbing the other
     slot's answer; a stop string ends an answer there."""

@@ -267,6 +267,7 @@ class Engine:
         self._pools: dict[object, tuple[torch.Tensor, ...]] = {}   # per layer (and carried state), see _new_state
         self._eog_cache: tuple[int, np.ndarray] | None = None       # see _eog_cols
         self._inflight: tuple[list, list] | None = None     # the batched step on the lanes launched, not read
+        self._deferred: list[tuple[Slot, _Task, int]] = []  # tokens whose text waits until the next step is launched
         # counters for /metrics
         self.n_prompt_total = self.n_predicted_total = self.n_requests = self.n_cached_total = 0
         self.t_prompt_total = self.t_predicted_total = 0.0
@@ -720,17 +721,32 @@ class Engine:
                 s.tokens, s.logits = list(prompt), logits
                 self._sample(s, logits)
         feed = [s for s in active if s.task is not None and s.task.next_token is not None]
-        if not feed:
-            return
-        toks = [s.task.next_token for s in feed]
-        self.model.launch_lanes([s.id for s in feed], toks)
-        self._inflight = (feed, toks)       # read by the next round (_land), or before a lane call
+        if feed:
+            toks = [s.task.next_token for s in feed]
+            self.model.launch_lanes([s.id for s in feed], toks)
+            self._inflight = (feed, toks)       # read by the next round (_land), or before a lane call
+        self._text()                            # while the step runs
+
+    def _text(self) -> None:
+        """The text of the tokens that :meth:`_land` took for slots going on
+        (decoded, scanned for stop strings, sent), once their next step is
+        launched: a stop string found here ends the request, and the row of
+        the step in flight for it then only extends the lane's tokens (its
+        state stays that of the tokens it holds)."""
+        todo, self._deferred = self._deferred, []
+        for s, t, tok in todo:
+            if s.task is not t or t.done:
+                continue                        # ended meanwhile (cancelled, server stopping)
+            self._release(t, t.scan.add(t.decoder.add(tok)))
+            if t.scan.stopped:
+                self._finish(s, "stop")
 
     def _land_safely(self) -> None:
         """:meth:`_land` outside a round: a failure fails the step's requests."""
         feed = self._inflight[0]
         try:
             self._land()
+            self._text()
         except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
             traceback.print_exc(file=sys.stderr)
             for s in feed:
@@ -797,7 +813,7 @@ class Engine:
             elif tk is None:
                 self._finish(s, "stop")           # nothing may follow
             else:
-                self._accept(s, tk)
+                self._accept(s, tk, defer=True)
 
     @staticmethod
     def _plain(job: Job) -> bool:
@@ -860,8 +876,10 @@ class Engine:
             t.unsent.append(TokenProb(tok, float(lp[tok]), top))
         self._accept(s, tok)
 
-    def _accept(self, s: Slot, tok: int) -> None:
-        """Take a sampled token: end of generation, text, stop strings, limits."""
+    def _accept(self, s: Slot, tok: int, defer: bool = False) -> None:
+        """Take a sampled token: end of generation, text, stop strings, limits.
+        ``defer`` (a lane's plain request): when the request goes on, its
+        token is fed at once and its text waits for :meth:`_text`."""
         t = s.task
         job = t.job
         t.out_tokens.append(tok)
@@ -871,6 +889,10 @@ class Engine:
             job.constraint.accept(tok)
         if tok in self.tok.eog_ids and not job.ignore_eos:
             self._finish(s, "stop")
+            return
+        if defer and job.constraint is None and len(t.out_tokens) < job.n_predict and len(s.tokens) + 1 <= s.n_ctx:
+            t.next_token = tok
+            self._deferred.append((s, t, tok))
             return
         self._release(t, t.scan.add(t.decoder.add(tok)))
         if t.scan.stopped:
