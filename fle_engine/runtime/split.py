@@ -86,25 +86,27 @@ def split_bytes(ids, hits, expert_bytes, n_used: int, share: int) -> dict:
     (``ids``, ``hits`` [L, T K] per layer, ``expert_bytes`` [L]), against
     the sum over its T tokens (what T one-token steps read): ``pcie`` and
     ``cpu`` (the step: each distinct missed expert once, split by
-    :func:`union_cpu`), ``pcie_sum`` and ``cpu_sum`` (each token alone, split
-    by the one-token rule)."""
-    out = dict(pcie=0, cpu=0, pcie_sum=0, cpu_sum=0)
+    :func:`union_cpu`'s count), ``pcie_sum`` and ``cpu_sum`` (each token
+    alone, split by the one-token rule). One pass of array operations over
+    all layers (it runs on every batched step): only the counts of
+    :func:`union_cpu` matter here, not which experts the CPU takes."""
     ids, hits = np.asarray(ids), np.asarray(hits)
-    missed = (hits == 0).any(axis=1) if hits.size else np.zeros(ids.shape[0], dtype=bool)
-    for li in np.flatnonzero(missed).tolist():       # a layer without a miss reads nothing
-        eb = int(expert_bytes[li])
-        if not eb:
-            continue
-        miss = hits[li] == 0
-        order, mine = union_cpu(ids[li], miss, share)
-        out["cpu"] += len(mine) * eb
-        out["pcie"] += (len(order) - len(mine)) * eb
-        for t in range(ids.shape[1] // n_used):
-            n_miss = int(miss[t * n_used:(t + 1) * n_used].sum())
-            c = cpu_count(n_miss, share) if share else 0
-            out["cpu_sum"] += c * eb
-            out["pcie_sum"] += (n_miss - c) * eb
-    return out
+    miss = hits == 0
+    if not miss.any():                  # every routed expert in its slot
+        return dict(pcie=0, cpu=0, pcie_sum=0, cpu_sum=0)
+    eb = np.asarray(expert_bytes, dtype=np.int64).reshape(-1)[:ids.shape[0]]
+    # distinct missed experts per layer: the sorted ids of the missed rows (others -1), changes counted
+    m = np.sort(np.where(miss, ids.astype(np.int64), -1), axis=1)
+    distinct = ((m[:, 1:] != m[:, :-1]) & (m[:, 1:] >= 0)).sum(axis=1) + (m[:, 0] >= 0)
+    per_tok = miss.reshape(ids.shape[0], -1, n_used).sum(axis=2)          # [L, T] each token's misses
+    if share:
+        n_cpu = cpu_count(distinct, share)
+        c_tok = cpu_count(per_tok, share).sum(axis=1)
+    else:
+        n_cpu = c_tok = np.zeros_like(distinct)
+    n_tok = per_tok.sum(axis=1)
+    return dict(pcie=int(((distinct - n_cpu) * eb).sum()), cpu=int((n_cpu * eb).sum()),
+                pcie_sum=int(((n_tok - c_tok) * eb).sum()), cpu_sum=int((c_tok * eb).sum()))
 
 
 def cpu_threads() -> int:
