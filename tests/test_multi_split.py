@@ -114,6 +114,38 @@ def test_split_bytes_counts_each_distinct_expert_once():
     assert b == dict(pcie=10, cpu=20, pcie_sum=20, cpu_sum=30)
 
 
+
+def _split_bytes_by_layer(ids, hits, expert_bytes, n_used, share):
+    """split_bytes spelled out: per layer union_cpu's split of the distinct
+    misses, per token the one-token rule."""
+    out = dict(pcie=0, cpu=0, pcie_sum=0, cpu_sum=0)
+    for li in range(ids.shape[0]):
+        eb, miss = int(expert_bytes[li]), hits[li] == 0
+        order, mine = union_cpu(ids[li], miss, share)
+        out["cpu"] += len(mine) * eb
+        out["pcie"] += (len(order) - len(mine)) * eb
+        for t in range(ids.shape[1] // n_used):
+            n_miss = int(miss[t * n_used:(t + 1) * n_used].sum())
+            c = cpu_count(n_miss, share) if share else 0
+            out["cpu_sum"] += c * eb
+            out["pcie_sum"] += (n_miss - c) * eb
+    return out
+
+
+def test_split_bytes_equals_the_rule_layer_by_layer():
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        n_layer, k, t = (int(x) for x in (rng.integers(1, 7), rng.integers(1, 9), rng.integers(1, 5)))
+        n_exp = int(rng.integers(k, 24))
+        ids = np.stack([np.concatenate([rng.choice(n_exp, k, replace=False) for _ in range(t)])
+                        for _ in range(n_layer)]).astype(np.int32)
+        cached = rng.random((n_layer, n_exp)) < rng.random()
+        hits = np.take_along_axis(cached, ids, 1).astype(np.int32)
+        eb = rng.integers(0, 100, n_layer)
+        share = int(rng.choice([0, 1, 77, 128, 200, 256]))
+        assert split_bytes(ids, hits, eb, k, share) == _split_bytes_by_layer(ids, hits, eb, k, share)
+
+
 # ---------------------------------------------------------------------------
 # the verify step
 
