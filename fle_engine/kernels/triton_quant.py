@@ -140,36 +140,6 @@ def _q8_0_rows_fast(wv, row_w, x_row, n_blocks, N_CHUNKS: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _q8_0_rows_multi(wv, row_w, x_ptr, rows, stride_x, n_blocks, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     T_PAD: tl.constexpr, FAST: tl.constexpr):
-    """[T_PAD, BLOCK_N] products of Q8_0 rows (halfword offsets ``row_w``) with the activation
-    rows ``rows`` [T_PAD] (in bounds): each chunk of eight blocks is loaded and decoded once
-    for all the rows, the products summed elementwise per row and reduced once at the end.
-    ``FAST``: the byte-permute decoder, else shifts (what Triton's interpreter can run)."""
-    a = tl.arange(0, 8)
-    b = tl.arange(0, 16)
-    xrow = rows.to(tl.int64)[:, None, None] * stride_x                                   # [T, 1, 1]
-    acc = tl.zeros([T_PAD, BLOCK_N, 8, 16], dtype=tl.float32)
-    for k0 in range(0, N_CHUNKS):
-        blk = k0 * 8 + a                                                                  # [8]
-        in_row = blk < n_blocks
-        bw = row_w[:, None] + tl.where(in_row, blk, 0).to(tl.int64)[None, :] * 17         # [BN, 8]
-        d = _half(tl.load(wv + bw).to(tl.int32))
-        d = tl.where(in_row[None, :], d, 0.0)          # blocks past the row's end count nothing
-        h = _u16(tl.load(wv + bw[:, :, None] + 1 + b[None, None, :]))                   # [BN, 8, 16]
-        if FAST:
-            v0, v1 = _q8_vals(h)
-        else:
-            v0 = ((h << 24) >> 24).to(tl.float32)
-            v1 = ((h << 16) >> 24).to(tl.float32)
-        k = tl.where(in_row[:, None], blk[:, None] * 32 + 2 * b[None, :], 0)[None, :, :]   # [1, 8, 16]
-        x0 = tl.load(x_ptr + xrow + k)                                                     # [T, 8, 16]
-        x1 = tl.load(x_ptr + xrow + k + 1)
-        acc += d[None, :, :, None] * (v0[None, :, :, :] * x0[:, None, :, :] + v1[None, :, :, :] * x1[:, None, :, :])
-    return tl.sum(tl.sum(acc, axis=3), axis=2)
-
-
-@triton.jit
 def _iq4_xs_rows_fast(wv, row_w, x_base, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr = 1,
                       WAIT: tl.constexpr = False):
     """[BLOCK_N] products of IQ4_XS rows (word offsets ``row_w``) with the activations at ``x_base``,
@@ -588,13 +558,12 @@ def _qmm_kernel(wv, lut_ptr, x_ptr, y_ptr, ids_ptr,
                 QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, N_CHUNKS: tl.constexpr,
                 BLOCK_N: tl.constexpr, T_PAD: tl.constexpr, EXPERTS: tl.constexpr, SCAN: tl.constexpr,
                 REDUCE_ONCE: tl.constexpr, SKIP_NEGATIVE: tl.constexpr = False, FAST: tl.constexpr = False,
-                U: tl.constexpr = 1, GDC: tl.constexpr = False, MULTI: tl.constexpr = False):
+                U: tl.constexpr = 1, GDC: tl.constexpr = False):
     # Program (pid_n, pid_r) computes output rows [pid_n * BLOCK_N, +BLOCK_N) for a set of
     # activation rows, T_PAD at a time: plain, the pid_r-th group of T_PAD rows; experts with
     # SCAN > 0 (a power of two >= n_rows), every row whose expert is that of row pid_r, if pid_r is
     # the first row with that expert (other programs have nothing to do); experts with SCAN == 0,
-    # row pid_r alone. MULTI (plain Q8_0, T_PAD > 1): the rows' products of each decoded chunk summed
-    # elementwise (:func:`_q8_0_rows_multi`). GDC (launched with programmatic dependent launch): the one-row fast paths of
+    # row pid_r alone. GDC (launched with programmatic dependent launch): the one-row fast paths of
     # plain products load their first weights before waiting for the kernel before them, every
     # other path waits first.
     early_wait: tl.constexpr = GDC and not (REDUCE_ONCE and FAST and (QTYPE == 8 or QTYPE == 23) and not EXPERTS)
@@ -638,10 +607,7 @@ def _qmm_kernel(wv, lut_ptr, x_ptr, y_ptr, ids_ptr,
         else:
             rows = pid_r * T_PAD + t_idx
         acc = tl.zeros([T_PAD, BLOCK_N], dtype=tl.float32)
-        if MULTI:
-            acc += _q8_0_rows_multi(wv, row_w, x_ptr, tl.minimum(rows, n_rows - 1), stride_x, n_blocks,
-                                    N_CHUNKS, BLOCK_N, T_PAD, FAST)
-        elif REDUCE_ONCE:
+        if REDUCE_ONCE:
             # one activation row: sum the products elementwise over the chunks, reduce once
             tl.static_assert(T_PAD == 1)
             tok = tl.sum(rows, axis=0)
@@ -726,16 +692,6 @@ class Config:
 # for each row, mostly from L2) beat groups of rows by 1.3-1.5x at T = 4; IQ4_XS gained from
 # groups (56 against 75 us for 10 experts of 512 x 2560 at T = 4).
 _ROWS_PER_PROGRAM: dict[GGMLType, "int | None"] = {GGMLType.Q8_0: 1}
-# Plain (dense) products of up to this many rows take them in one program per output tile, each
-# decoded chunk multiplied with all of them (:func:`_q8_0_rows_multi`): the verify step's and the
-# lanes' dense products read their weights once instead of once per row.
-# FLE_MULTI_ROWS=0 turns it off (one program per row, as before), for measurements.
-_MULTI_ROWS: dict[GGMLType, int] = {} if os.environ.get("FLE_MULTI_ROWS") == "0" else {GGMLType.Q8_0: 4}
-
-
-def multi_rows(qtype: GGMLType, n_rows: int) -> bool:
-    """Whether a plain product of ``n_rows`` rows takes them in one program per output tile."""
-    return 1 < n_rows <= _MULTI_ROWS.get(qtype, 0)
 
 # Expert rows that one program scans for those sharing its expert; calls with more rows give
 # each row its own program (the weights of an expert are then read once per row).
@@ -769,11 +725,8 @@ def _launch(w: Tensor, qtype: GGMLType, x: Tensor, y: Tensor, ids: "Tensor | Non
     n_out, row_bytes = w.shape[-2], w.shape[-1]
     n_rows = x.shape[0]
     n_blocks = row_bytes // size
-    if config is None and ids is None and multi_rows(qtype, n_rows):
-        config = Config(t_pad=triton.next_power_of_2(n_rows))           # the rows' products of each tile at once
     cfg = config or Config(t_pad=_ROWS_PER_PROGRAM.get(qtype))
     t_pad = cfg.t_pad or min(MAX_T_PAD, triton.next_power_of_2(n_rows))
-    multi = qtype == GGMLType.Q8_0 and ids is None and t_pad > 1
     if ids is None:
         grid_r, scan = triton.cdiv(n_rows, t_pad), 0
     else:
@@ -792,7 +745,7 @@ def _launch(w: Tensor, qtype: GGMLType, x: Tensor, y: Tensor, ids: "Tensor | Non
         QTYPE=int(qtype), A=a, B=b, C=c, N_CHUNKS=triton.cdiv(n_blocks, fmt.blocks_per_chunk),
         BLOCK_N=cfg.block_n, T_PAD=t_pad, EXPERTS=ids is not None, SCAN=scan, REDUCE_ONCE=t_pad == 1,
         SKIP_NEGATIVE=skip_negative, FAST=FAST_DECODE, U=cfg.chunks, GDC=pdl, num_warps=cfg.num_warps,
-        MULTI=multi, **({"launch_pdl": True} if pdl else {}))
+        **({"launch_pdl": True} if pdl else {}))
 
 
 def mul_mat(w: Tensor, qtype: GGMLType, x: Tensor, config: "Config | None" = None,

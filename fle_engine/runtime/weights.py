@@ -55,30 +55,26 @@ class DenseMatrix:
         if impl == "triton":
             from ..kernels import triton_quant
 
-            return triton_quant.mul_mat(self.data, self.qtype, x,
-                                        config=_dense_config(self.n_out, x.shape[0], self.qtype), out=out)
+            return triton_quant.mul_mat(self.data, self.qtype, x, config=_dense_config(self.n_out, x.shape[0]),
+                                        out=out)
         from ..kernels import reference
 
         out.copy_(reference.mul_mat(self.data, self.qtype, x))
         return out
 
 
-def _dense_config(n_out: int, n_tok: int, qtype=None):
+def _dense_config(n_out: int, n_tok: int):
     """Launch parameters of a dense product: at T = 1 enough programs to
     fill the GPU (~1,000: a 2048-row matrix in 16-row programs is 128 of
-    them, 357 GB/s on an H200, bench/engine_kernels.py); the same tiles for
-    the few rows of a verify or lanes step where the kernel takes them in
-    one program (``triton_quant.multi_rows``); else the defaults."""
-    from ..kernels import triton_quant
-
-    multi = qtype is not None and triton_quant.multi_rows(qtype, n_tok)
-    if n_tok != 1 and not multi:
+    them, 357 GB/s on an H200, bench/engine_kernels.py), else the defaults."""
+    if n_tok != 1:
         return None
+    from ..kernels.triton_quant import Config
+
     block_n = 16
     while block_n > 2 and n_out // block_n < 1024:
         block_n //= 2
-    return triton_quant.Config(block_n=block_n, num_warps=4 if block_n >= 8 else 2,
-                               t_pad=1 if n_tok == 1 else 1 << (n_tok - 1).bit_length())
+    return Config(block_n=block_n, num_warps=4 if block_n >= 8 else 2, t_pad=1)
 
 
 def dense(gguf, name: str, device, n_out: int, n_in: int, *, fast_needed: bool, rows=None) -> DenseMatrix:
