@@ -113,9 +113,15 @@ def run(model: Path, budget, device: str, warmup: int, reps: int, draft_ms: floa
             c = eng.step_cost(1 + n, reps=reps, seed=seed + n)
             res["rows"].append(dict(c, drafts=n))
         t_0 = res["rows"][0]["seconds"]
+        # the link's speed, for the bound that the drafts' own misses put on T(n) (CUDA only)
+        link = _bench_engine().pinned_copy_bps(256) if device == "cuda" else None
+        res["pinned_copy_gbps"] = link / 1e9 if link else None
         for r in res["rows"]:
             n = r["drafts"]
             r["ratio"] = r["seconds"] / t_0
+            # T(n) >= T(0) + the PCIe bytes the step reads beyond the one-token step's, at the link's speed
+            r["pcie_bound_ratio"] = (1 + (r["pcie_bytes"] - res["rows"][0]["pcie_bytes"]) / link / t_0
+                                     if link else None)
             r["expected_tokens"] = expected_tokens(accept, n)
             r["modelled_tok_s"] = r["expected_tokens"] / (r["seconds"] + n * draft_ms * 1e-3)
         if profile:
@@ -172,6 +178,10 @@ def report(res: dict) -> None:
     print(f"* MODELLED, not measured: from the measured step costs and the report's acceptance ({a} for drafts "
           f"1, 2, 3), rate = E(n) / (T(n) + n x {res['draft_ms']:g} ms draft cost per drafted token"
           + (", i.e. drafting taken as free)" if res["draft_ms"] == 0 else ")"))
+    if res.get("pinned_copy_gbps"):
+        bounds = ", ".join(f"n = {r['drafts']}: {r['pcie_bound_ratio']:.2f}" for r in res["rows"][1:])
+        print(f"bound from the link alone (T(0) + the step's extra PCIe bytes at the measured "
+              f"{res['pinned_copy_gbps']:.1f} GB/s pinned copy, everything else free), T(n)/T(0) >= {bounds}")
     for n, rows in res.get("profile", {}).items():
         print(f"kernels of the T = {1 + int(n)} step (GPU us per step, launches per step):")
         for r in rows:
