@@ -10,7 +10,8 @@
 #            and qwen4exp (bench/serve_slots.py --engine)
 #   prefill  FLE prefill against upstream's best micro-batch at 4k and 8k tokens, 30B-A3B shape, 1/3 of the
 #            expert bytes on the GPU, calibrated routing (bench/engine.py --prefill); waits for the build
-#   decode   FLE decode against upstream at the same GPU bytes, near-uniform and calibrated routing
+#   decode   FLE decode against upstream at the same GPU bytes, near-uniform and calibrated routing, misses
+#            on the GPU and split with the CPU
 # One stage's failure is logged and the next one runs; the exit status is the number of stages that failed.
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_suite.sh OUT LLAMA_SRC [STAGE ...]}
@@ -59,7 +60,7 @@ for s in $STAGES; do
                      --prefill 4096,8192 --no-decode --routing calibrated -r 2 --fle-ubatch 8192 \
                      --json "$OUT/prefill.json" ;;
         decode) wait_build && stage decode python3 bench/engine.py --llama-bench "$LLAMA_BENCH" -n 64 -r 2 \
-                    --routing uniform,calibrated --no-all-gpu --json "$OUT/decode.json" ;;
+                    --routing uniform,calibrated --no-all-gpu --miss-split gpu,auto --json "$OUT/decode.json" ;;
         *) echo "unknown stage $s (tests, slots, prefill, decode)"; failed=$((failed + 1)) ;;
     esac
 done
