@@ -373,13 +373,17 @@ class Engine:
                 self._assign()
                 active = [s for s in self.slots if s.busy]
             if active:
-                try:
-                    self._round(active)
-                except Exception as e:  # noqa: BLE001 - fail the round's requests, keep serving
-                    traceback.print_exc(file=sys.stderr)
-                    for s in active:
-                        if s.task is not None:
-                            self._fail(s, e)
+                self._guarded(active, lambda: self._round(active))
+
+    def _guarded(self, slots: list[Slot], work) -> None:
+        """``work()``; a failure fails the requests of ``slots`` still running, and serving goes on."""
+        try:
+            work()
+        except Exception as e:  # noqa: BLE001 - fail those requests, keep serving
+            traceback.print_exc(file=sys.stderr)
+            for s in slots:
+                if s.task is not None:
+                    self._fail(s, e)
 
     def _assignable(self) -> bool:
         return any(self._free_slot_for(t) is not None for t in self._pending)
@@ -742,16 +746,8 @@ class Engine:
                 self._finish(s, "stop")
 
     def _land_safely(self) -> None:
-        """:meth:`_land` outside a round: a failure fails the step's requests."""
-        feed = self._inflight[0]
-        try:
-            self._land()
-            self._text()
-        except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
-            traceback.print_exc(file=sys.stderr)
-            for s in feed:
-                if s.task is not None:
-                    self._fail(s, e)
+        """:meth:`_land` and :meth:`_text` outside a round: a failure fails the step's requests."""
+        self._guarded(self._inflight[0], lambda: (self._land(), self._text()))
 
     def _land(self) -> None:
         """Read the batched step in flight: each row's token and logits go
@@ -878,7 +874,7 @@ class Engine:
 
     def _accept(self, s: Slot, tok: int, defer: bool = False) -> None:
         """Take a sampled token: end of generation, text, stop strings, limits.
-        ``defer`` (a lane's plain request): when the request goes on, its
+        ``defer`` (a lane's plain request, so no grammar): when it goes on, its
         token is fed at once and its text waits for :meth:`_text`."""
         t = s.task
         job = t.job
@@ -890,7 +886,7 @@ class Engine:
         if tok in self.tok.eog_ids and not job.ignore_eos:
             self._finish(s, "stop")
             return
-        if defer and job.constraint is None and len(t.out_tokens) < job.n_predict and len(s.tokens) + 1 <= s.n_ctx:
+        if defer and len(t.out_tokens) < job.n_predict and len(s.tokens) + 1 <= s.n_ctx:     # goes on
             t.next_token = tok
             self._deferred.append((s, t, tok))
             return
