@@ -23,12 +23,15 @@ of both, at 1 slot one lane (``--mix``: the factory's quant mix, ``release``
 by default there; ``--device``).
 
     PYTHONPATH=. python bench/serve_slots.py [--arch qwen3moe] [--clients 4] [--tokens 64] [--threads 1] [--repeat 5]
-        [--set KEY=VALUE ...] [--engine [--device cuda|cpu] [--mix release]]
+        [--set KEY=VALUE ...] [--engine [--device cuda|cpu] [--mix release]] [--host-profile N]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import io
+import pstats
 import statistics
 import tempfile
 import time
@@ -43,7 +46,7 @@ from fle_engine.tokenizer import Tokenizer
 from fle_quant.synth import make_model
 
 
-def _count_decode_cpu(engine) -> dict:
+def _count_decode_cpu(engine, prof=None) -> dict:
     """Accumulate the decode thread's own CPU time over its rounds (the
     model and the scheduler, without the HTTP side), and the rounds' wall
     time split into the engine's calls (on lanes ``launch_lanes``,
@@ -56,9 +59,13 @@ def _count_decode_cpu(engine) -> dict:
     def timed(active):
         t, w = time.thread_time(), time.perf_counter()
         n0 = sum(s.n_decoded for s in active)
+        if prof is not None:
+            prof.enable()
         try:
             inner(active)
         finally:
+            if prof is not None:
+                prof.disable()
             acc["cpu"] += time.thread_time() - t
             acc["round"] += time.perf_counter() - w
             acc["rounds"] += 1
@@ -121,6 +128,9 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="serve on runtime.Engine (slots as its lanes)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="with --engine")
     ap.add_argument("--mix", default=None, help="the factory's quant mix (f32; release with --engine)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="profile the decode thread's rounds (cProfile) and print the N functions with the most "
+                         "own time, per slot count (the profiler's overhead inflates the times)")
     args = ap.parse_args()
     sizes = {}
     for kv in args.set:
@@ -147,7 +157,8 @@ def main() -> None:
             print(f"{args.arch}: factory model {' '.join(args.set) or '(default sizes)'}: {n_bytes / 2**20:.1f} MiB "
                   f"of weights, {model.args}")
         engines = {n: Engine(models[n], tok, n_ctx=512 * n, name="bench", n_parallel=n) for n in (1, 2)}
-        decode = {n: _count_decode_cpu(e) for n, e in engines.items()}
+        profs = {n: cProfile.Profile() if args.host_profile else None for n in (1, 2)}
+        decode = {n: _count_decode_cpu(e, profs[n]) for n, e in engines.items()}
         wall_ratios, cpu_ratios, dec_ratios = [], [], []
         for rep in range(args.repeat):
             rates = {}
@@ -168,6 +179,11 @@ def main() -> None:
         if args.engine:
             for m in models.values():
                 m.close()
+        for n, prof in profs.items():
+            if prof is not None:
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.host_profile)
+                print(f"{args.arch}: {n} slot(s): the decode thread's rounds, by own time\n{out.getvalue()}")
         print(f"{args.arch}: 2 slots / 1 slot, median of {args.repeat} pairs = {statistics.median(wall_ratios):.2f}x "
               f"wall, {statistics.median(cpu_ratios):.2f}x per CPU second, {statistics.median(dec_ratios):.2f}x per "
               f"decode-thread CPU second (pairs, wall: "

@@ -878,7 +878,7 @@ class Engine:
         self._b_parity = 0
         self._lanes_inflight = None      # (lanes, tokens, rows, start time, parity) of the step launched, not read
         self._lanes_routing = None       # (parity, rows) of the last step read, its routing not yet observed
-        self._lanes_ev = torch.cuda.Event() if self.cuda else None
+        self._lanes_ev = self.cache.calls.event() if self.cuda else None
         self._lane_graphs, self._lane_pool = {}, None
 
     def select(self, lane: int) -> None:
@@ -984,19 +984,30 @@ class Engine:
         t0 = time.perf_counter()
         self._b_tok_np[:n] = toks
         self._b_rows_np[:n] = ls
-        b.toks[:n].copy_(self._b_tok[:n], non_blocking=self.cuda)
-        b.rows[:n].copy_(self._b_rows[:n], non_blocking=self.cuda)
+        par = self._b_parity = 1 - self._b_parity
+        m = b.multi
+        # the routing logs are copied whole (n_seq x k columns: a few KiB), so that every copy is of contiguous
+        # memory; the host reads their first n x k columns
+        ins = ((b.toks[:n], self._b_tok[:n]), (b.rows[:n], self._b_rows[:n]))
+        outs = ((self._b_logits[:n], m.logits[:n]), (self._b_next[:n], b.next_toks[:n]),
+                (self._b_ids[par], m.ids_log), (self._b_hits[par], m.hit_log))
+        if self.cuda:
+            c, main = self.cache.calls, self.cache.main
+            for dst, src in ins:
+                c.copy(dst, src, main)
+        else:
+            for dst, src in ins:
+                dst.copy_(src)
         t1 = time.perf_counter()
         self._run_lanes(n)
         self.stats.replay_seconds += time.perf_counter() - t1
-        par = self._b_parity = 1 - self._b_parity
-        m = b.multi
-        for dst, src in ((self._b_logits[:n], m.logits[:n]), (self._b_next[:n], b.next_toks[:n]),
-                         (self._b_ids[par][:, :n * k], m.ids_log[:, :n * k]),
-                         (self._b_hits[par][:, :n * k], m.hit_log[:, :n * k])):
-            dst.copy_(src, non_blocking=self.cuda)
         if self.cuda:
-            self._lanes_ev.record(torch.cuda.current_stream(self.device))
+            for dst, src in outs:
+                c.copy(dst, src, main)
+            c.record(self._lanes_ev, main)
+        else:
+            for dst, src in outs:
+                dst.copy_(src)
         for i in ls:
             self._lanes[i].launched += 1          # in flight: the lane refuses other calls until it is read
         self._unpark(self._lane)
@@ -1014,7 +1025,7 @@ class Engine:
         self._lanes_inflight = None
         t0 = time.perf_counter()
         if self.cuda:
-            self._lanes_ev.synchronize()
+            self.cache.calls.synchronize(self._lanes_ev)
         self.stats.launch_seconds += time.perf_counter() - t0
         self._lanes_routing = (par, n)
         self._park()
