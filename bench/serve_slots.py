@@ -100,6 +100,47 @@ def _split_line(acc: dict, before: dict, n_slots: int) -> str:
             f"({1e3 * rest / max(d['tokens'], 1):.3f} ms per token; {n_slots} slot(s))")
 
 
+def _step_times(models: dict, reps: int = 100) -> str:
+    """The engine alone, CUDA: GPU time per step of the one-sequence graph
+    (1 slot) and of the batched graph of 1 and 2 rows (2 slots), replayed
+    back to back between two events, and wall time per ``step_lanes`` call
+    (launch, wait, read, policy). The lanes and the sequence are reset
+    afterwards."""
+    one, two = models[1], models[2]
+    parts = []
+
+    def gpu_ms(run) -> float:
+        run()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            run()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / reps
+
+    one.reset()
+    list(one.tokens([1, 2, 3], 2))             # the graphs captured
+    one.reset()
+    parts.append(f"one-sequence step {gpu_ms(one._run_one):.3f} ms")
+    one.reset()
+    for n in (1, 2):
+        lanes = list(range(n))
+        two.step_lanes(lanes, [1] * n)          # captured
+        w = time.perf_counter()
+        for _ in range(reps):
+            two.step_lanes(lanes, [1] * n)
+        wall = (time.perf_counter() - w) / reps
+        parts.append(f"batched step of {n} row(s) {gpu_ms(lambda: two._run_lanes(n)):.3f} ms "
+                     f"(step_lanes {1e3 * wall:.3f} ms wall)")
+        two.flush()
+        for i in lanes:
+            two.lane_reset(i)
+    torch.cuda.synchronize()
+    return "GPU time per step, replayed back to back: " + ", ".join(parts)
+
+
 async def _load(engine, decode: dict, n_clients: int, n_tokens: int) -> tuple[float, float, float, int]:
     async with TestClient(TestServer(create_app(engine))) as client:
         async def one(i):
@@ -156,6 +197,8 @@ def main() -> None:
             n_bytes = sum(t.numel() * t.element_size() for t in model.net.parameters())
             print(f"{args.arch}: factory model {' '.join(args.set) or '(default sizes)'}: {n_bytes / 2**20:.1f} MiB "
                   f"of weights, {model.args}")
+        if args.engine and args.device == "cuda" and models[1]._graph is not None:
+            print(f"{args.arch}: {_step_times(models)}")
         engines = {n: Engine(models[n], tok, n_ctx=512 * n, name="bench", n_parallel=n) for n in (1, 2)}
         profs = {n: cProfile.Profile() if args.host_profile else None for n in (1, 2)}
         decode = {n: _count_decode_cpu(e, profs[n]) for n, e in engines.items()}
