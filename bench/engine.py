@@ -81,6 +81,9 @@ SHAPES = {
         attention_head_count=8, attention_head_count_kv=2, attention_key_length=64, vocab_size=4096),
         rules=[(r"\.ffn_(gate|up|down)_exps\.weight$", "IQ4_XS")], mix="q8_0"),
 }
+# the 80B-A3B shape with its MTP head inside the file (one more gated-attention block, 512 experts):
+# bench/verify_step.py --drafters
+SHAPES["80b-a3b-mtp"] = dict(SHAPES["80b-a3b"], mtp="inside")
 
 
 # ---------------------------------------------------------------------------

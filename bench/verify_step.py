@@ -25,6 +25,15 @@ share of each step's distinct missed experts while the GPU reads the rest
 (runtime.split); the table then also prints the bytes of one step on each
 side against the per-token sums.
 
+``--drafters eager,step`` (a file with an MTP head, e.g. ``--shape
+80b-a3b-mtp``) also measures the drafting itself: for each drafter (the
+engine's ``--mtp-drafter``) the engine's speculative loop runs
+``--draft-tokens`` tokens at each n = 1..3 and the wall time of its draft
+calls is averaged; the modelled rate is then printed per drafter with that
+measured cost in place of ``--draft-ms``. The head of a random file accepts
+next to nothing, so the call sizes are those of rejections (the queue: the
+kept row and the verified token, then n - 1 one-row calls).
+
 On a machine without CUDA, ``--device cpu`` runs the reference operations
 on a small file (a smoke test; the times mean nothing).
 """
@@ -91,13 +100,37 @@ def third_budget(path: Path) -> int:
     return exp_bytes * (n_layer // 3) // n_layer
 
 
+def draft_costs(eng, n_max: int, n_tokens: int, seed: int) -> dict:
+    """The engine's speculative loop (``eng`` made with an MTP head) for
+    ``n_tokens`` tokens after a random 16-token prompt at each n = 1 ..
+    ``n_max``: per n, the mean wall time of a draft call (n tokens
+    drafted) and of a verify step, and the acceptance (the loop's
+    :class:`~fle_engine.speculative.SpecStats`). The first run of each n
+    (graphs captured, kernels compiled) is not counted."""
+    from fle_engine.speculative import SpecStats
+
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(eng.args.n_vocab, size=16).tolist()
+    out = {"kind": eng.drafter.kind, "rows": []}
+    for n in range(1, n_max + 1):
+        list(eng.speculative(prompt, 8, n_draft=n))                # warm: captures, compiles
+        st = SpecStats()
+        list(eng.speculative(prompt, n_tokens, n_draft=n, stats=st))
+        out["rows"].append({"drafts": n, "draft_calls": st.draft_calls,
+                            "draft_ms": st.draft_seconds / max(1, st.draft_calls) * 1e3,
+                            "verify_ms": st.verify_seconds / max(1, st.trunk_calls) * 1e3,
+                            "acceptance": st.acceptance})
+    return out
+
+
 def run(model: Path, budget, device: str, warmup: int, reps: int, draft_ms: float, accept, seed: int,
-        miss_split: str = "gpu", profile: tuple = ()) -> dict:
+        miss_split: str = "gpu", profile: tuple = (), drafters: tuple = (), draft_tokens: int = 64) -> dict:
     from fle_engine.runtime import Engine
 
-    ctx = max(256, warmup + 64)
+    ctx = max(256, warmup + 64, 16 + draft_tokens + 8)
+    mtp = dict(mtp=True, mtp_drafter=drafters[0]) if drafters else {}
     eng = Engine(model, device=device, cache_budget=budget, ctx_size=ctx, profile_path="none", progress=False,
-                 miss_split=miss_split)
+                 miss_split=miss_split, **mtp)
     try:
         rng = np.random.default_rng(seed)
         v = eng.args.n_vocab
@@ -126,8 +159,18 @@ def run(model: Path, budget, device: str, warmup: int, reps: int, draft_ms: floa
             r["modelled_tok_s"] = r["expected_tokens"] / (r["seconds"] + n * draft_ms * 1e-3)
         if profile:
             res["profile"] = {str(n): profile_kernels(eng, 1 + n, min(reps, 20), seed + n) for n in profile}
+        if drafters:
+            res["drafting"] = [draft_costs(eng, len(accept), draft_tokens, seed)]
     finally:
         eng.close()
+    for kind in drafters[1:]:           # the other drafters on an engine of their own, drafting only
+        with Engine(model, device=device, cache_budget=budget, ctx_size=ctx, profile_path="none", progress=False,
+                    miss_split=miss_split, mtp=True, mtp_drafter=kind) as other:
+            res["drafting"].append(draft_costs(other, len(accept), draft_tokens, seed))
+    for d in res.get("drafting", ()):
+        for r in d["rows"]:
+            t = res["rows"][r["drafts"]]
+            r["modelled_tok_s"] = t["expected_tokens"] / (t["seconds"] + r["draft_ms"] * 1e-3)
     return res
 
 
@@ -182,6 +225,15 @@ def report(res: dict) -> None:
         bounds = ", ".join(f"n = {r['drafts']}: {r['pcie_bound_ratio']:.2f}" for r in res["rows"][1:])
         print(f"bound from the link alone (T(0) + the step's extra PCIe bytes at the measured "
               f"{res['pinned_copy_gbps']:.1f} GB/s pinned copy, everything else free), T(n)/T(0) >= {bounds}")
+    for d in res.get("drafting", ()):
+        rows = d["rows"]
+        print(f"drafter '{d['kind']}': " + "; ".join(
+            f"n = {r['drafts']}: draft call {r['draft_ms']:.2f} ms ({r['draft_calls']} calls, verify step "
+            f"{r['verify_ms']:.2f} ms in the loop, acceptance {r['acceptance']:.2f}), tok/s* "
+            f"{r['modelled_tok_s']:.1f}" for r in rows))
+    if res.get("drafting"):
+        print(f"  (tok/s*: MODELLED as above with each drafter's measured draft call in place of the draft cost; "
+              f"plain decoding {1 / res['rows'][0]['seconds']:.1f} tok/s at T(0))")
     for n, rows in res.get("profile", {}).items():
         print(f"kernels of the T = {1 + int(n)} step (GPU us per step, launches per step):")
         for r in rows:
@@ -211,6 +263,9 @@ def main(argv=None) -> int:
                         "step's distinct misses are split between the CPU and PCIe (default gpu)")
     p.add_argument("--profile", default="", help="draft counts (e.g. 0,2) whose step's kernels are profiled: GPU "
                    "time per step of each kernel, the largest printed")
+    p.add_argument("--drafters", default="", help="MTP drafters to time (eager, step: the engine's --mtp-drafter; "
+                   "e.g. eager,step) on a file with an MTP head (--shape 80b-a3b-mtp)")
+    p.add_argument("--draft-tokens", type=int, default=64, help="tokens of each timed speculative run (default 64)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
 
@@ -225,7 +280,9 @@ def main(argv=None) -> int:
         accept = tuple(float(x) for x in args.accept.split(","))
         res = run(path, "auto" if budget is None else budget, args.device, args.warmup, args.reps, args.draft_ms,
                   accept, args.seed, miss_split=args.miss_split,
-                  profile=tuple(int(x) for x in args.profile.split(",") if x.strip()))
+                  profile=tuple(int(x) for x in args.profile.split(",") if x.strip()),
+                  drafters=tuple(x.strip() for x in args.drafters.split(",") if x.strip()),
+                  draft_tokens=args.draft_tokens)
     except FleError as e:
         raise SystemExit(f"verify_step: {e}") from None
     report(res)

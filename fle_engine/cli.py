@@ -65,6 +65,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "same tokens, fewer trunk steps when drafts are right; generate on the engine (qwen3next, "
                         "up to 3 drafts per verify step), serve on the reference path (--device cpu)")
     p.add_argument("--mtp-head", default=None, metavar="FILE", help="a separate MTP-head GGUF (implies --mtp)")
+    p.add_argument("--mtp-drafter", default="auto", choices=["auto", "step", "eager"], dest="mtp_drafter",
+                   help="generate --mtp on the engine: 'step', the head's block on the engine's kernels on its GGUF "
+                        "bytes, its experts resident, one CUDA graph per call size (qwen3next); 'eager', the "
+                        "reference head in float32; 'auto' (default): step where the architecture has it")
     p.add_argument("--draft-max", type=int, default=2, dest="draft_max",
                    help="with --mtp: tokens drafted ahead per trunk call (default: 2); with --draft-adaptive "
                         "the most")
@@ -350,7 +354,7 @@ def _generate_engine(args, tok, prompt, sampler, vocab=None) -> int:
                 cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                 profile_path=args.cache_profile, miss_split=args.miss_split, cpu_impl=args.cpu_kernels,
                 miss_activations=args.miss_activations, ubatch=args.ubatch, prefill_min=args.prefill_min, mtp=mtp,
-                miss_prefetch=args.miss_prefetch) as eng:
+                miss_prefetch=args.miss_prefetch, mtp_drafter=args.mtp_drafter) as eng:
         n_predict = min(args.n_predict, eng.ctx_size - len(prompt))
         picker = None if args.temp <= 0 else sampler
         if mtp:
@@ -370,6 +374,8 @@ def _generate_engine(args, tok, prompt, sampler, vocab=None) -> int:
         print(f"[prompt {len(prompt)} tokens, generated {n} tokens ({why}){drafts}]", file=sys.stderr)
         if mtp and spec.line():
             print(f"[{spec.line()}]", file=sys.stderr)
+        if mtp and spec.time_line():
+            print(f"[{spec.time_line()} ({eng.drafter.kind} drafter)]", file=sys.stderr)
         if mtp and args.draft_adaptive:
             print(f"[{spec.steps_line()}; {policy.line()}]", file=sys.stderr)
         print(eng.stats.summary(eng.cache), file=sys.stderr)

@@ -87,6 +87,10 @@ class SpecStats:
     reached: list = field(default_factory=list)
     right: list = field(default_factory=list)
     steps: list = field(default_factory=list)     # steps[n]: decode steps that drafted n tokens
+    # wall time of the drafting calls and of the trunk's verify steps (the engine's loop fills them)
+    draft_calls: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
     def _step(self, n: int) -> None:
         while len(self.steps) <= n:
@@ -111,6 +115,15 @@ class SpecStats:
         per = ", ".join(f"{i + 1}: {100 * a:.1f} % of {n}" for i, (a, n) in enumerate(zip(self.by_position(),
                                                                                          self.reached)))
         return f"acceptance by draft position (given the drafts before it were right): {per}" if per else ""
+
+    def time_line(self) -> str:
+        """``drafting 0.41 ms per call (212 calls), verify steps 6.10 ms each``
+        (empty when the loop timed nothing)."""
+        if not self.draft_calls:
+            return ""
+        per_verify = self.verify_seconds / self.trunk_calls * 1e3 if self.trunk_calls else 0.0
+        return (f"drafting {self.draft_seconds / self.draft_calls * 1e3:.2f} ms per call ({self.draft_calls} calls, "
+                f"{1e3 * self.draft_seconds:.0f} ms), verify steps {per_verify:.2f} ms each")
 
     def _check(self, i: int, ok: bool) -> None:
         while len(self.reached) <= i:

@@ -165,7 +165,7 @@ def test_agreeing_head_has_every_draft_accepted(arch, monkeypatch, n_draft):
     prompt = SHORT
     n_tok = N if arch.name == "qwen3next" else 128
     seq = prompt + arch.plain["short"]
-    eng = _engine(arch.path, arch.budget, mtp=True)
+    eng = _engine(arch.path, arch.budget, mtp=True, mtp_drafter="eager")      # the head patched: the eager one
     _oracle_head(monkeypatch, eng.drafter.mtp, seq)
     stats = SpecStats()
     got = list(eng.speculative(prompt, n_tok, n_draft=n_draft, stats=stats))
@@ -186,7 +186,7 @@ def test_state_after_rejection_equals_a_fresh_run(arch, monkeypatch, keep):
     prompt = SHORT
     plain, budget = arch.plain, arch.budget
     seq = prompt + plain["short"]
-    eng = _engine(arch.path, budget, mtp=True)
+    eng = _engine(arch.path, budget, mtp=True, mtp_drafter="eager")           # the head patched: the eager one
     _oracle_head(monkeypatch, eng.drafter.mtp, seq, wrong_after=keep - 1)
     stats = SpecStats()
     gen = eng.speculative(prompt, 60, n_draft=3, stats=stats)
@@ -253,7 +253,7 @@ def test_drafts_equal_the_reference_paths(arch, monkeypatch, name, with_vocab):
                                      vocab=vocab))
     eng_calls: list = []
     monkeypatch.setattr(rmtp, "draft", _recorder(eng_calls, seq, right))
-    eng = _engine(next_file, mtp=True)
+    eng = _engine(next_file, mtp=True, mtp_drafter="eager")     # the reference head (the step drafter: test (e))
     if eng.prefill is not None:
         eng.prefill.bf16 = False         # the long prompt's prefill in float32 products, as the reference pass's
     stats = SpecStats()
@@ -272,6 +272,64 @@ def test_drafts_equal_the_reference_paths(arch, monkeypatch, name, with_vocab):
         assert float((lg_e[fin] - lg_r[fin]).abs().max()) <= tol * float(lg_r[fin].abs().max())
         if vocab is not None:
             assert set(d_e) <= set(vocab.ids.tolist())
+
+
+def _draft_log(eng, seq, right):
+    """Wrap ``eng.drafter.draft``: record (next token, the head's drafts),
+    then hand the loop the known continuation where ``right(call)`` says so
+    (as :func:`_recorder`)."""
+    calls = []
+    real = eng.drafter.draft
+
+    def wrapped(tok, n, vocab=None):
+        d = real(tok, n, vocab)
+        calls.append((int(tok), list(d)))
+        ok = right(len(calls) - 1)
+        if ok:
+            cont = seq[eng.launched + 1:eng.launched + 1 + len(d)]
+            d = cont[:ok] + [(t + 1) % 512 for t in cont[ok:]]
+        return d
+
+    eng.drafter.draft = wrapped
+    return calls
+
+
+@pytest.mark.parametrize("name,with_vocab", [("short", False), ("long", True), ("long", False)])
+def test_step_drafter_drafts_as_the_eager_one(next_file, budget, plain, name, with_vocab):
+    """(e) qwen3next's head on the engine's own step (its block in the
+    trunk's kernels on the GGUF bytes, its experts resident; one CUDA graph
+    per call size with CUDA) against the reference head in float32 (the
+    eager drafter), on the same run -- with acceptances and rejections, the
+    long prompt's 40 queued rows in calls of at most ROWS, a draft
+    vocabulary: every call drafts the same tokens, and the tokens are the
+    plain ones."""
+    prompt = _prompt(name)
+    n_tok = 64
+    seq = prompt + plain[name]
+    vocab = DraftVocab(list(range(0, 512, 3))) if with_vocab else None
+    right = lambda s: (0, 1, 3)[s % 3]        # noqa: E731 - call s: that many of its drafts right
+    logs, engines = {}, {}
+    for kind in ("eager", "step"):
+        eng = engines[kind] = _engine(next_file, budget, mtp=True, mtp_drafter=kind)
+        if eng.prefill is not None:
+            eng.prefill.bf16 = False
+        logs[kind] = _draft_log(eng, seq, right)
+        stats = SpecStats()
+        assert list(eng.speculative(prompt, n_tok, n_draft=3, stats=stats, vocab=vocab)) == plain[name][:n_tok]
+        assert 0 < stats.accepted < stats.drafted
+    step = engines["step"].drafter
+    assert type(step) is rmtp.StepDrafter and type(engines["eager"].drafter) is rmtp.Drafter
+    assert len(logs["step"]) == len(logs["eager"]) > 10
+    assert logs["step"] == logs["eager"]
+    if vocab is not None:
+        assert all(set(d) <= set(vocab.ids.tolist()) for _, d in logs["step"])
+    # with CUDA every call replayed a graph: sizes 1 (further drafts) and the queue's (1 + the kept tokens)
+    assert bool(step._graph_of) == CUDA
+    if CUDA:
+        assert {n for n, _ in step._graph_of} >= {1, 2}
+    assert engines["step"].memory_report()["mtp_head"] < engines["eager"].memory_report()["mtp_head"]
+    for eng in engines.values():
+        eng.close()
 
 
 @pytest.mark.parametrize("name", ["qwen3next", "qwen4exp"])
@@ -385,3 +443,41 @@ def test_cli_generate_mtp_runs_on_the_engine(next_file, monkeypatch, capsys, tmp
     args = cli._parser().parse_args(["serve", str(next_file), "--mtp"])
     with pytest.raises(FleError, match="serve --mtp runs on the reference path"):
         cli.use_engine(str(next_file), args)
+
+
+def test_bench_drafters_smoke(next_file, tmp_path):
+    """bench/verify_step.py --drafters eager,step on the factory model (the
+    times mean nothing on the CPU): each drafter timed at n = 1..3, every
+    draft call counted, the modelled rate from the measured draft call."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "verify_step.py"
+    spec = importlib.util.spec_from_file_location("bench_verify_mtp", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    assert bench.main(["--model", str(next_file), "--device", "cpu", "--warmup", "4",
+                       "--reps", "1", "--drafters", "eager,step", "--draft-tokens", "12", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [d["kind"] for d in res["drafting"]] == ["eager", "engine step"]
+    for d in res["drafting"]:
+        assert [r["drafts"] for r in d["rows"]] == [1, 2, 3]
+        for r in d["rows"]:
+            t = res["rows"][r["drafts"]]
+            assert r["draft_calls"] >= 3 and r["draft_ms"] > 0 and r["verify_ms"] > 0
+            assert r["modelled_tok_s"] == pytest.approx(t["expected_tokens"] / (t["seconds"] + r["draft_ms"] * 1e-3))
+
+
+def test_spec_stats_time_the_loop(next_file, budget):
+    """The engine's loop times its draft calls and verify steps (the CLI's
+    'drafting ... ms per call' line): one draft call per verify step that
+    drafted, the verify time counted for every trunk call."""
+    eng = _engine(next_file, budget, mtp=True)
+    st = SpecStats()
+    list(eng.speculative(SHORT, 20, n_draft=2, stats=st))
+    eng.close()
+    assert st.draft_calls == sum(c for n, c in enumerate(st.steps) if n) > 0
+    assert st.draft_seconds > 0 and st.verify_seconds > 0
+    assert "ms per call" in st.time_line()

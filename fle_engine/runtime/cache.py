@@ -300,3 +300,38 @@ class ExpertCache:
     def profile_counts(self) -> dict[int, np.ndarray]:
         c = self.policy.counts
         return {l: np.array(c[i]) for i, l in enumerate(self.layers)}
+
+
+class ResidentExperts:
+    """Every routed expert of a few layers held on the device, each in the
+    slot of its own number (the map is the identity): the store that the
+    expert kernels read for a block outside the cache's budget, the MTP
+    head's (:mod:`.mtp`). It answers what :class:`ExpertCache` answers for
+    a layer (``layer_map``, ``words``, ``reference_store``, ``mode``);
+    nothing ever misses, so it has no policy and no host buffer to read."""
+
+    mode = "hit"
+
+    def __init__(self, layouts: dict[int, ExpertLayout], sources: dict[int, list], n_expert: int,
+                 device: torch.device):
+        self.layers = sorted(layouts)
+        self.layouts, self.n_expert, self.device = layouts, n_expert, device
+        host = HostExperts(layouts, n_expert, pin=False)
+        for l in self.layers:
+            host.fill(l, sources[l])
+        self._slots = {l: host.view(l).to(device, copy=True) for l in self.layers}
+        self.map = torch.arange(n_expert, dtype=torch.int32, device=device).repeat(len(self.layers), 1)
+        self.index = {l: i for i, l in enumerate(self.layers)}
+        self.nbytes = sum(t.numel() for t in self._slots.values())
+
+    def layer_map(self, l: int) -> Tensor:
+        return self.map[self.index[l]]
+
+    def words(self, l: int, qtype) -> tuple[Tensor, int]:
+        """(layer ``l``'s experts as the fast kernels' words for ``qtype``, 0:
+        no host buffer, every expert is read from its slot)."""
+        return self._slots[l].reshape(-1).view(engine_ops.WORDS[qtype]), 0
+
+    def reference_store(self, l: int, qtype) -> engine_ops.ExpertWords:
+        word = engine_ops.WORDS[qtype].itemsize if qtype in engine_ops.WORDS else 1
+        return engine_ops.ExpertWords(self._slots[l], self._slots[l], word)

@@ -189,7 +189,7 @@ class Engine:
                  cpu_impl: str = "auto", miss_activations: str = "float", ubatch: int = 4096, prefill_min: int = PREFILL_MIN,
                  profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
                  progress: bool = True, log=None, mtp=None, mtp_experts: str = "auto", n_seq: int = 1,
-                 miss_prefetch: int = 0):
+                 miss_prefetch: int = 0, mtp_drafter: str = "auto"):
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr))
         self.n_seq = int(n_seq)
         if self.n_seq < 1:
@@ -232,7 +232,9 @@ class Engine:
             raise FleError(f"{gguf.paths[0]}: several sequences at once (--parallel {self.n_seq}) on the engine: "
                            f"{why}; serve it with --parallel 1")
         # the MTP head before the KV cache and the expert budget, which take the memory that is left
-        head = self._load_mtp(mtp, mtp_experts) if mtp else None
+        if mtp_drafter not in ("auto", "step", "eager"):
+            raise FleError(f"the MTP drafter is auto, step or eager, not {mtp_drafter!r}")
+        head = self._load_mtp(mtp, mtp_experts, mtp_drafter) if mtp else None
         self.drafter = None
         max_ctx = int(gguf.hparam("context_length", 262144))
         if ctx_size <= 0:
@@ -261,10 +263,6 @@ class Engine:
         st.kv = kv_all if self.n_seq == 1 else _lane_caches(kv_all, 0)
         cos, sin = rope_table(a.n_rot, a.rope_base, self.ctx_size, a.rope_freq_scale)
         st.rope_cos, st.rope_sin = torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device)
-        if head is not None:
-            from .mtp import Drafter
-
-            self.drafter = Drafter(head, st.rope_cos, st.rope_sin, self.ctx_size)
         # what a step gives the host, in one buffer (one copy per step): routed ids, hit flags, the next token
         st.out_log, (st.ids_log, st.hit_log, st.tok) = _out_log(a.n_layer, a.n_expert_used, self.device)
         if self.n_seq == 1:
@@ -279,6 +277,14 @@ class Engine:
         st.miss_q8 = miss_activations == "q8"
         self.net.alloc(st)
         self.kv_bytes = sum(engine_ops.kv_nbytes(t) for c in kv_all for t in c)
+        if head is not None:
+            from .mtp import Drafter, StepDrafter
+
+            if isinstance(head, tuple):         # the head's block on the engine's kernels, its experts resident
+                self.drafter = StepDrafter(self.net, *head, self.ops, st.rope_cos, st.rope_sin, self.ctx_size,
+                                           KV_TYPES[cache_type_k], KV_TYPES[cache_type_v], graphs)
+            else:
+                self.drafter = Drafter(head, st.rope_cos, st.rope_sin, self.ctx_size)
         self._lanes = None
         self._lane = 0
         if self.n_seq > 1:
@@ -360,11 +366,15 @@ class Engine:
             bar.close()
         self.net.expert_sources = {}
 
-    def _load_mtp(self, spec, experts: str):
+    def _load_mtp(self, spec, experts: str, drafter: str = "auto"):
         """The MTP head (``spec``: True for the one inside the model file, or
         a head file) for :meth:`speculative`; refused on nets without a
-        T-token verify step."""
-        from .mtp import load_head
+        T-token verify step. ``drafter``: ``step``, the head's block on the
+        engine's kernels (the net's ``mtp_step``; a tuple (block, expert
+        store) for :class:`~.mtp.StepDrafter`); ``eager``, the reference
+        head in float32 (:func:`~.mtp.load_head`); ``auto``, step where the
+        net has one."""
+        from .mtp import load_head, load_step_head
 
         why = self.net.multi_unsupported()
         if why:
@@ -376,6 +386,11 @@ class Engine:
                 raise FleError(f"{self._gguf.paths[0]}: no MTP head inside (no blk.{a.n_layer}.nextn.* tensors); "
                                f"give a separate head file (--mtp-head FILE)")
             spec = self._gguf.paths[0]
+        step = bool(getattr(self.net, "engine_mtp", False))
+        if drafter == "step" and not step:
+            raise FleError(f"the engine has no MTP head step for {a.arch}; use the eager drafter")
+        if step and drafter != "eager":
+            return load_step_head(self.net, spec, self.device)
         return load_head(self.net, spec, self.device, self.ops, self.fast, experts)
 
     def _setup_split(self, spec) -> None:
@@ -565,8 +580,7 @@ class Engine:
                "expert_budget_used": self.cache.budget_used, "host_experts": self.host.nbytes,
                "prefill_buffers": self.prefill_bytes}
         if self.drafter is not None:
-            head, c = self.drafter.mtp, self.drafter.state.mtp.cache
-            rep["mtp_head"] = head.nbytes + sum(t.numel() * t.element_size() for t in (c.k, c.v))
+            rep["mtp_head"] = self.drafter.nbytes
         if self.cuda:
             rep["allocated"] = torch.cuda.memory_allocated(self.device)
             rep["reserved"] = torch.cuda.memory_reserved(self.device)
@@ -588,7 +602,7 @@ class Engine:
                     if self.cuda else "")
                  + (f"; prefill buffers up to {m['prefill_buffers'] / gib:.2f} GiB while a prompt is prefilled"
                     if m["prefill_buffers"] else "")
-                 + (f"; MTP head {m['mtp_head'] / gib:.2f} GiB (eager)" if "mtp_head" in m else "")
+                 + (f"; MTP head {m['mtp_head'] / gib:.2f} GiB ({self.drafter.kind})" if "mtp_head" in m else "")
                  + f"; host experts {m['host_experts'] / gib:.2f} GiB "
                    f"{'page-locked' if self.host.pinned else 'in process memory'}; "
                  + (("CUDA graph" if len(self._graphs) == 1 else f"CUDA graph ({len(self._graphs)} length buckets)")

@@ -61,10 +61,11 @@ from torch import Tensor, nn
 from fle_quant.errors import FleError
 from fle_quant.ggml_types import GGMLType
 
+from ..kernels import engine_ops
 from ..mtp import MTPState, draft, open_head_file
 from . import weights as W
 
-__all__ = ["Head", "Drafter", "load_head", "generate", "HEADS"]
+__all__ = ["Head", "Drafter", "StepDrafter", "load_head", "load_step_head", "generate", "HEADS"]
 
 RESIDENT_SHARE = 8      # head experts stay resident (dequantized) when they take at most 1/8 of the device's memory
 
@@ -242,10 +243,18 @@ class Drafter:
     head's :class:`~fle_engine.mtp.MTPState`, the rotary tables and the
     context size)."""
 
+    kind = "eager"
+
     def __init__(self, head: Head, rope_cos: Tensor, rope_sin: Tensor, max_tokens: int):
         self.mtp = head
         self.state = SimpleNamespace(mtp=head.new_state(max_tokens), rope_cos=rope_cos, rope_sin=rope_sin,
                                      max_tokens=int(max_tokens), last_logits=None, length=0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the device: the head's own tensors and its KV cache."""
+        c = self.state.mtp.cache
+        return self.mtp.nbytes + sum(t.numel() * t.element_size() for t in (c.k, c.v))
 
     def reset(self) -> None:
         """A new sequence: nothing settled, nothing queued (the cache is overwritten by position)."""
@@ -265,6 +274,180 @@ class Drafter:
         """Up to ``n_draft`` tokens after ``next_token`` (the trunk's next
         token, not yet run), as :func:`fle_engine.mtp.draft` makes them."""
         return [int(t) for t in draft(self, self.state, next_token=next_token, n_draft=n_draft, vocab=vocab)[0]]
+
+
+class StepDrafter:
+    """Drafting on the engine's own head step: the net's ``mtp_step`` (the
+    head's block in the trunk's kernels on its GGUF bytes, its routed
+    experts resident on the device in a
+    :class:`~fle_engine.runtime.cache.ResidentExperts`), with the interface
+    of :class:`Drafter` and the same pairs at the same positions as
+    :func:`fle_engine.mtp.draft` gives the reference head, so the same
+    drafts (to rounding). A call of T rows (1 .. ``ROWS``; a longer queue,
+    the prompt's, in pieces of ``ROWS``) is one CUDA graph per T and output
+    table, captured on first use, with CUDA and graphs; eager otherwise.
+    Between the calls of one draft only device copies run (the head's
+    hidden row and draft fed to the next call); the drafts are read once,
+    at the end: one host synchronisation per draft."""
+
+    kind = "engine step"
+    ROWS = 5                # the queue at a draft after a verify step: the row kept + up to VERIFY_MAX settled
+
+    def __init__(self, net, blk, store, ops, rope_cos: Tensor, rope_sin: Tensor, max_tokens: int, k_dtype,
+                 v_dtype, graphs: bool):
+        from .engine import VERIFY_MAX
+
+        self.net, self.blk, self.store, self.ops = net, blk, store, ops
+        self.device = rope_cos.device
+        self.cuda = self.device.type == "cuda"
+        self.graphs = bool(graphs and self.cuda)
+        hs = self.hs = SimpleNamespace(fast=net.fast, bufs=SimpleNamespace(), rope_cos=rope_cos, rope_sin=rope_sin)
+        hs.kv = [(net.kv_cache(max_tokens, k_dtype), net.kv_cache(max_tokens, v_dtype))]
+        hs.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
+        net.alloc_mtp(hs, self.ROWS)
+        self.max_tokens = int(max_tokens)
+        self._drafts = torch.zeros(VERIFY_MAX, dtype=torch.int64, device=self.device)
+        self._host_pos = torch.zeros(1, dtype=torch.int64)
+        self._host_toks = torch.zeros(self.ROWS, dtype=torch.int64)
+        if self.cuda:
+            self._host_pos, self._host_toks = self._host_pos.pin_memory(), self._host_toks.pin_memory()
+        self._outputs: dict = {}          # id(vocab) -> (vocab, output matrix, its ids on the device, logits buffer)
+        self._graph_of: dict = {}
+        self._pool = None
+        self.reset()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the device: the block's weights and experts, its KV cache (the trunk's tables not counted)."""
+        from . import weights as W
+
+        L = self.blk.layer
+        mats = [m for m in vars(L.mixer).values() if isinstance(m, W.DenseMatrix)]
+        mats += [m for ms in vars(L.mixer).values() if isinstance(ms, list) for m in ms]
+        mats += list(L.moe.shared or ()) + [self.blk.eh_proj]
+        mats += [m for m in (self.blk.embed, self.blk.output) if m.name.startswith(f"blk.{self.net.args.n_layer}.")]
+        kv = sum(engine_ops.kv_nbytes(t) for t in self.hs.kv[0])
+        return W.unique_bytes(mats) + L.moe.router.numel() * 4 + self.store.nbytes + kv
+
+    def reset(self) -> None:
+        """A new sequence: nothing settled, nothing queued (the cache is overwritten by position)."""
+        self.pos, self.queue_h, self.queue_tok = 0, [], []
+        self.length = 0
+
+    def push(self, hidden: Tensor, tokens: Sequence[int]) -> None:
+        """The trunk's hidden rows [T, D] of T settled positions and their tokens."""
+        toks = [int(t) for t in tokens]
+        if hidden.shape[0] != len(toks):
+            raise FleError(f"internal: {hidden.shape[0]} hidden states for {len(toks)} tokens")
+        self.queue_h.append(hidden)
+        self.queue_tok.extend(toks)
+        self.length += len(toks)
+
+    def _output(self, vocab):
+        """(output matrix, its draft ids on the device or None, logits buffer [ROWS, rows]) for ``vocab``."""
+        from . import weights as W
+
+        key = None if vocab is None else id(vocab)
+        got = self._outputs.get(key)
+        if got is not None and got[0] is vocab:
+            return got[1:]
+        out = self.blk.output
+        if vocab is None:
+            got = (None, out, None, self.hs.multi.logits)
+        else:
+            if len(vocab) > out.n_out:
+                raise FleError(f"{vocab.source}: {len(vocab)} tokens, more than the MTP head outputs ({out.n_out})")
+            vocab.check(out.n_out, "the MTP head")
+            ids = vocab.tensor(self.device)
+            cut = W.DenseMatrix(out.name, out.qtype, out.data.index_select(0, ids).contiguous(), len(vocab), out.n_in)
+            got = (vocab, cut, ids, torch.zeros(self.ROWS, len(vocab), dtype=torch.float32, device=self.device))
+        self._outputs[key] = got
+        return got[1:]
+
+    def _step(self, n: int, out, ids, logits) -> None:
+        with torch.inference_mode():
+            self.net.mtp_step(self.blk, self.hs, self.ops, self.store, n, out, logits, ids)
+
+    def _run(self, n: int, vocab, out, ids, logits) -> None:
+        """One call of n rows: its graph replayed (captured on first use), or eagerly."""
+        if not self.graphs:
+            self._step(n, out, ids, logits)
+            return
+        key = (n, None if vocab is None else id(vocab))
+        g = self._graph_of.get(key)
+        if g is None:
+            hs = self.hs
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):             # compiles the kernels; writes the K/V the call itself writes
+                    self._step(n, out, ids, logits)
+                    hs.pos.sub_(n)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                self._step(n, out, ids, logits)
+            self._pool = g.pool()
+            self._graph_of[key] = g
+        g.replay()
+
+    def draft(self, next_token: int, n_draft: int, vocab=None) -> list[int]:
+        """Up to ``n_draft`` tokens after ``next_token`` (the trunk's next
+        token, not yet run), as :func:`fle_engine.mtp.draft` makes them."""
+        if not self.queue_h:
+            raise FleError("draft needs the trunk to have processed at least one token of this state")
+        if n_draft < 1:
+            raise FleError(f"n_draft must be at least 1, got {n_draft}")
+        out, ids, logits = self._output(vocab)
+        hs, m = self.hs, self.hs.multi
+        hidden = torch.cat(self.queue_h) if len(self.queue_h) > 1 else self.queue_h[0]
+        tokens = self.queue_tok
+        nxt = tokens[1:] + [int(next_token)]
+        n = len(nxt)
+        self._host_pos[0] = self.pos
+        hs.pos.copy_(self._host_pos, non_blocking=self.cuda)
+        c = 0
+        for start in range(0, n, self.ROWS):
+            c = min(self.ROWS, n - start)
+            if self.cuda and start:
+                torch.cuda.current_stream(self.device).synchronize()      # the pinned staging is free again
+            self._host_toks[:c] = torch.tensor(nxt[start:start + c], dtype=torch.int64)
+            hs.toks[:c].copy_(self._host_toks[:c], non_blocking=self.cuda)
+            hs.hid[:c].copy_(hidden[start:start + c])
+            self._run(c, vocab, out, ids, logits)
+        self._drafts[:1].copy_(hs.next_toks[c - 1:c])
+        got, j = 1, c - 1
+        last = self.pos + n - 1
+        for i in range(1, n_draft):
+            # provisional cells past the settled ones: rewritten by later drafts
+            if last + i >= self.max_tokens:
+                break
+            hs.hid[:1].copy_(m.xn[j:j + 1])          # the head's own hidden row and draft, one position on
+            hs.toks[:1].copy_(hs.next_toks[j:j + 1])
+            self._run(1, vocab, out, ids, logits)
+            self._drafts[i:i + 1].copy_(hs.next_toks[:1])
+            got, j = got + 1, 0
+        drafts = self._drafts[:got].tolist()
+        # the last pair used a guessed token: keep it queued, to redo once the real one is known
+        self.queue_h, self.queue_tok = [hidden[-1:]], tokens[-1:]
+        self.pos += n - 1
+        return drafts
+
+
+def load_step_head(net, path, device):
+    """(the MTP block of ``path`` in the engine's form (``net.load_mtp_block``),
+    its routed experts resident on ``device``) for a :class:`StepDrafter`."""
+    from ..models.qwen3next_mtp import same_hparams
+    from .cache import ResidentExperts
+
+    gguf, _ = _open(path, net, torch.device(device), same_hparams(net.args))
+    try:
+        blk = net.load_mtp_block(gguf)
+        store = ResidentExperts({0: blk.layer.moe.layout}, {0: blk.sources}, net.args.n_expert, torch.device(device))
+        blk.sources = None
+    finally:
+        gguf.close()
+    return blk, store
 
 
 def _hidden(eng, n: int) -> Tensor:
@@ -358,8 +541,12 @@ def generate(eng, prompt: Sequence[int], n_predict: int, stop: Iterable[int] = (
             k = min(policy.choose() if policy is not None else n_max, n_predict - n - 1)
             t0 = clock()
             drafts = drafter.draft(tok, k, vocab) if k > 0 else []
-            if policy is not None:
-                policy.time_draft(len(drafts), clock() - t0)
+            if k > 0:
+                dt = clock() - t0
+                stats.draft_calls += 1
+                stats.draft_seconds += dt
+                if policy is not None:
+                    policy.time_draft(len(drafts), dt)
             stats.drafted += len(drafts)
             stats._step(len(drafts))
             feed = [tok] + drafts
@@ -369,8 +556,10 @@ def generate(eng, prompt: Sequence[int], n_predict: int, stop: Iterable[int] = (
             rows = None
             if sampler is not None:
                 rows = (st.bufs.logits[:1] if size == 1 else st.multi.logits[:size]).float().cpu().numpy()
+            dt = clock() - t0
+            stats.verify_seconds += dt
             if policy is not None:
-                policy.time_trunk(size, clock() - t0)
+                policy.time_trunk(size, dt)
             stats.trunk_calls += 1
             hid = _hidden(eng, size)
             out, checks = [], []

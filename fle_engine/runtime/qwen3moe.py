@@ -654,14 +654,16 @@ class Net:
             return m.xparts[:n]
         return m.parts[:n] if mo.shared is not None else m.y[:n]
 
-    def embed_multi(self, state, ops, n: int) -> None:
-        """The embedding rows of ``state.toks[:T]`` -> m.x[:T]."""
+    def embed_multi(self, state, ops, n: int, table: "W.DenseMatrix | None" = None) -> None:
+        """The embedding rows of ``state.toks[:T]`` -> m.x[:T] (from ``table``,
+        by default the model's ``token_embd``)."""
         x = state.multi.x[:n]
-        if self.tok_embd.qtype in W.FLOAT_TYPES:
-            torch.index_select(self.tok_embd.data, 0, state.toks[:n], out=x)
+        e = table or self.tok_embd
+        if e.qtype in W.FLOAT_TYPES:
+            torch.index_select(e.data, 0, state.toks[:n], out=x)
         else:
             for t in range(n):
-                ops.embed_row(self.tok_embd.data, self.tok_embd.qtype, state.toks[t:t + 1], x[t])
+                ops.embed_row(e.data, e.qtype, state.toks[t:t + 1], x[t])
 
     # the batched step of several sequences: step_multi on a state with ``rows`` ---------------
     @staticmethod

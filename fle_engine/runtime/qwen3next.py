@@ -15,6 +15,7 @@ Semantics as :mod:`fle_engine.models.qwen3next`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ class Net(qwen3moe.Net):
     Args = ModelArgs
     supports_prefill = True
     positional_state = False    # GDN state: a sequence can only be extended
+    engine_mtp = True           # the MTP head runs as the engine's own step (mtp_step, runtime.mtp.StepDrafter)
     # GDN variants: the output gate's activation, and which K head a V head
     # reads (grouped: j // (Hv / Hk); tiled: j mod Hk)
     gdn_sigmoid = False       # output gate silu(z) (sigmoid(z): qwen4exp)
@@ -241,6 +243,88 @@ class Net(qwen3moe.Net):
         if self.args.recurrent[il]:
             return [c[0], c[1]]
         return super().held_layer(il, c, n)
+
+    # the MTP head on the engine (runtime.mtp.StepDrafter) ---------------------------------
+    def load_mtp_block(self, gguf) -> SimpleNamespace:
+        """Block N of ``gguf`` (the model file holding the MTP head, or a
+        head file; checked by the caller) in the engine's form, as
+        :mod:`fle_engine.models.qwen3next_mtp` reads it: the block as a
+        trunk attention layer (gated attention, routed experts with the
+        gated shared expert; the experts' file views in ``sources``, for a
+        store to copy before the file closes), ``eh_proj`` [2 D -> D],
+        ``enorm``, ``hnorm``, the head's norm and its tables (its own
+        ``nextn.*`` when the file has them, else the trunk's)."""
+        a = self.args
+        il, d = a.n_layer, a.n_embd
+        p = f"blk.{il}."
+        saved, self.gguf = self.gguf, gguf
+        try:
+            layer = qwen3moe.Layer(self.vec(p + "attn_norm.weight", d), self.load_attention(il, gated=True),
+                                   self.vec(p + "post_attention_norm.weight", d), self.load_moe(il, shared=True))
+            sources = self.expert_sources.pop(il)
+            have = gguf.tensors
+            own = lambda name: p + name in have          # noqa: E731
+            blk = SimpleNamespace(
+                layer=layer, sources=sources,
+                eh_proj=self.dense(p + "nextn.eh_proj.weight", d, 2 * d),
+                enorm=self.vec(p + "nextn.enorm.weight", d), hnorm=self.vec(p + "nextn.hnorm.weight", d),
+                norm=self.vec(p + "nextn.shared_head_norm.weight", d) if own("nextn.shared_head_norm.weight")
+                else self.output_norm,
+                embed=self.dense(p + "nextn.embed_tokens.weight", a.n_vocab, d) if own("nextn.embed_tokens.weight")
+                else self.tok_embd,
+                output=self.dense(p + "nextn.shared_head_head.weight", a.n_vocab, d)
+                if own("nextn.shared_head_head.weight") else self.output)
+        finally:
+            self.gguf = saved
+        return blk
+
+    def alloc_mtp(self, hs, t_max: int) -> None:
+        """The buffers of :meth:`mtp_step` for up to ``t_max`` rows on the
+        head's own state ``hs`` (its ``multi``, no GDN snapshots: the head
+        has none), and ``hs.hid`` [t_max, D], the trunk rows it reads."""
+        self.alloc_multi(hs, t_max, snapshots=False)
+        f32 = dict(dtype=torch.float32, device=self.device)
+        d = self.args.n_embd
+        hs.hid = torch.zeros(t_max, d, **f32)
+        hs.en = torch.zeros(t_max, d, **f32)
+        hs.hn = torch.zeros(t_max, d, **f32)
+        hs.eh = torch.zeros(t_max, 2 * d, **f32)
+        hs.picks = torch.zeros(t_max, dtype=torch.int64, device=self.device)
+
+    def mtp_step(self, blk: SimpleNamespace, hs, ops, store, n: int, output: W.DenseMatrix, logits: Tensor,
+                 vocab_ids: "Tensor | None" = None) -> None:
+        """n rows of the MTP head at positions ``hs.pos`` .. ``hs.pos`` + n - 1,
+        row t the pair (the trunk's post-norm hidden row ``hs.hid[t]``, the
+        token ``hs.toks[t]`` that followed it): x = eh_proj [RMS(embed) *
+        enorm ; RMS(hidden) * hnorm], the block as a trunk attention layer
+        (its K/V written at those positions of ``hs.kv[0]``, its experts
+        read from ``store``'s layer 0), RMS with the head's norm -> the
+        head's hidden rows in ``hs.multi.xn[:n]`` (what a further drafting
+        step reads), ``output``'s logits in ``logits[:n]`` and each row's
+        draft in ``hs.next_toks[:n]`` (``vocab_ids[argmax]`` when ``output``
+        is cut to a draft vocabulary); the position advances by n. Static
+        shapes, no host synchronisation: one CUDA graph per n."""
+        a, m = self.args, hs.multi
+        impl = self.impl(hs)
+        x, xn = m.x[:n], m.xn[:n]
+        L = blk.layer
+        self.embed_multi(hs, ops, n, blk.embed)
+        ops.add_rmsnorm(x, None, blk.enorm, a.eps, hs.en[:n])
+        ops.add_rmsnorm(hs.hid[:n], None, blk.hnorm, a.eps, hs.hn[:n])
+        torch.cat([hs.en[:n], hs.hn[:n]], 1, out=hs.eh[:n])
+        blk.eh_proj.matvec(hs.eh[:n], x, impl)
+        ops.add_rmsnorm(x, None, L.attn_norm, a.eps, xn)
+        self.attention_multi(L.mixer, 0, hs, ops, n)
+        ops.add_rmsnorm(x, m.attn_out[:n], L.ffn_norm, a.eps, xn)
+        self.moe_multi(L.moe, 0, hs, ops, store, n)
+        ops.add_rmsnorm(x, self.multi_parts(L.moe, hs, n), blk.norm, a.eps, xn)
+        output.matvec(xn, logits[:n], impl)
+        if vocab_ids is None:
+            torch.argmax(logits[:n], dim=-1, out=hs.next_toks[:n])
+        else:
+            torch.argmax(logits[:n], dim=-1, out=hs.picks[:n])
+            torch.index_select(vocab_ids, 0, hs.picks[:n], out=hs.next_toks[:n])
+        self.advance(hs, n)
 
     # prefill (runtime.prefill) ----------------------------------------------------------
     def prefill_mixer(self, L: qwen3moe.Layer, il: int, xn: Tensor, out: Tensor, pos0: int, state, ops) -> None:

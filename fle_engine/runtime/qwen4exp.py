@@ -135,6 +135,7 @@ class HostTable(W.PageLocked):
 
 class Net(qwen3next.Net):
     Args = ModelArgs
+    engine_mtp = False          # its MTP head (hyper-connections, the readout mixer) runs eagerly (runtime.mtp.Head)
     supports_prefill = True     # runtime.prefill through prefill_trunk (the S streams, PLE, the QSA indexer)
     gdn_sigmoid = True
     gdn_tiled = True            # V head j reads K head j mod Hk (the converter's order)
