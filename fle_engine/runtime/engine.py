@@ -310,6 +310,8 @@ class Engine:
                                  stage_rows=self.miss_prefetch)
         if profile is not None:
             self.cache.warm(profile)
+        if self._lanes is not None and self.cuda:
+            self._lanes_ev = self.cache.calls.event()
         self.prefetch = st.stage = None
         if self.miss_prefetch and any(self.cache.slots_per_layer[l] < a.n_expert for l in self.net.layouts):
             from .stage import MissPrefetch
@@ -892,7 +894,7 @@ class Engine:
         self._b_parity = 0
         self._lanes_inflight = None      # (lanes, tokens, rows, start time, parity) of the step launched, not read
         self._lanes_routing = None       # (parity, rows) of the last step read, its routing not yet observed
-        self._lanes_ev = self.cache.calls.event() if self.cuda else None
+        self._lanes_ev = None            # the batched step's event: made with the expert cache's calls (below)
         self._lane_graphs, self._lane_pool = {}, None
 
     def select(self, lane: int) -> None:
