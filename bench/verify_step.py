@@ -40,6 +40,7 @@ on a small file (a smoke test; the times mean nothing).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import time
@@ -163,6 +164,8 @@ def run(model: Path, budget, device: str, warmup: int, reps: int, draft_ms: floa
             res["drafting"] = [draft_costs(eng, len(accept), draft_tokens, seed)]
     finally:
         eng.close()
+    eng = None                           # its device memory goes before the next engine loads
+    gc.collect()
     for kind in drafters[1:]:           # the other drafters on an engine of their own, drafting only
         with Engine(model, device=device, cache_budget=budget, ctx_size=ctx, profile_path="none", progress=False,
                     miss_split=miss_split, mtp=True, mtp_drafter=kind) as other:
