@@ -184,6 +184,23 @@ IQ4_DECODE = {"miss": "table", "hit": "permute"}
 _DECODE_CODE = {"select": 0, "permute": 1, "table": 2}
 
 
+def _mode_overrides() -> None:
+    """Tuning: FLE_IQ4_DECODE="miss=permute,hit=permute" and FLE_PAIRED="miss=1" set
+    ``IQ4_DECODE`` / ``PAIRED`` per mode for this process (as FLE_EXPERT_CONFIG sets the launch).
+    Measured at the calibrated skew (docs/benchmarks.md, 2026-12-06): byte permutes in the miss
+    launch, paired or not, with 4 or 8 super-blocks per iteration, made the decode step 60-72 %
+    slower than the code-book table."""
+    for var, table, conv in (("FLE_IQ4_DECODE", IQ4_DECODE, str), ("FLE_PAIRED", PAIRED, lambda v: v == "1")):
+        for item in filter(None, os.environ.get(var, "").split(",")):
+            mode, _, value = item.partition("=")
+            if mode not in table or (table is IQ4_DECODE and value not in _DECODE_CODE):
+                raise ValueError(f"{var}: {item!r} is not MODE=VALUE (modes {', '.join(table)})")
+            table[mode] = conv(value)
+
+
+_mode_overrides()
+
+
 def _decode_code(mode: str) -> int:
     code = _DECODE_CODE[IQ4_DECODE[mode]]
     return 0 if code == 1 and not _tq.FAST_DECODE else code       # byte permutes need a GPU
