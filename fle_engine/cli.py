@@ -67,7 +67,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp-head", default=None, metavar="FILE", help="a separate MTP-head GGUF (implies --mtp)")
     p.add_argument("--mtp-drafter", default="auto", choices=["auto", "step", "eager"], dest="mtp_drafter",
                    help="generate --mtp on the engine: 'step', the head's block on the engine's kernels on its GGUF "
-                        "bytes, its experts resident, one CUDA graph per call size (qwen3next); 'eager', the "
+                        "bytes, its experts resident, one CUDA graph per call size (qwen3next, qwen4exp); 'eager', the "
                         "reference head in float32; 'auto' (default): step where the architecture has it")
     p.add_argument("--draft-max", type=int, default=2, dest="draft_max",
                    help="with --mtp: tokens drafted ahead per trunk call (default: 2); with --draft-adaptive "

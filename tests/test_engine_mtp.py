@@ -303,6 +303,22 @@ def test_step_drafter_drafts_as_the_eager_one(next_file, budget, plain, name, wi
     long prompt's 40 queued rows in calls of at most ROWS, a draft
     vocabulary: every call drafts the same tokens, and the tokens are the
     plain ones."""
+    _step_against_eager(next_file, budget, plain, name, with_vocab)
+
+
+@pytest.mark.parametrize("name,with_vocab", [("short", False), ("long", True)])
+def test_step_drafter_drafts_as_the_eager_one_qwen4exp(q4_file, q4_budget, q4_plain, name, with_vocab):
+    """(e) on qwen4exp: the head's step (enorm, the per-stream hnorm,
+    eh_proj on each of the S streams of the trunk's wide residual, its own
+    hyper-connection reads and writes around the dense attention and the
+    MoE, the head mixer before the output product; a further drafting step
+    reading the head's own wide residual) drafts as the eager head, call
+    for call."""
+    _step_against_eager(q4_file, q4_budget, q4_plain, name, with_vocab)
+
+
+def _step_against_eager(path, budget, plain, name, with_vocab):
+    """The step drafter against the eager one on the same run (test (e))."""
     prompt = _prompt(name)
     n_tok = 64
     seq = prompt + plain[name]
@@ -310,7 +326,7 @@ def test_step_drafter_drafts_as_the_eager_one(next_file, budget, plain, name, wi
     right = lambda s: (0, 1, 3)[s % 3]        # noqa: E731 - call s: that many of its drafts right
     logs, engines = {}, {}
     for kind in ("eager", "step"):
-        eng = engines[kind] = _engine(next_file, budget, mtp=True, mtp_drafter=kind)
+        eng = engines[kind] = _engine(path, budget, mtp=True, mtp_drafter=kind)
         if eng.prefill is not None:
             eng.prefill.bf16 = False
         logs[kind] = _draft_log(eng, seq, right)

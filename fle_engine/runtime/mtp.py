@@ -41,14 +41,22 @@ one verify step); ``adaptive`` picks each step's draft count with
 :class:`~fle_engine.speculative.AdaptiveDraft` from measured verify-step
 and drafting times (a rejection costing no settling call here).
 
+The engine's own head step (:class:`StepDrafter`, the default where the
+net has ``engine_mtp``: qwen3next and qwen4exp) drafts the same tokens
+from the same queue: the head's block in the trunk's kernels on its GGUF
+bytes (``Net.load_mtp_block`` / ``alloc_mtp`` / ``mtp_step``), its routed
+experts resident in a :class:`~fle_engine.runtime.cache.ResidentExperts`,
+one CUDA graph per call size.
+
 Architectures: a head builder per architecture in :data:`HEADS`
-(qwen3next, qwen4exp). Missing: the head in a CUDA graph (it runs eagerly,
-with host synchronisations in its MoE) and its experts in the engine's
-expert cache.
+(qwen3next, qwen4exp) for the eager head. Missing: the head's experts in
+the engine's expert cache (the step drafter holds all of them on the
+device; the eager head holds them dequantized or streams them per call).
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from types import SimpleNamespace
@@ -319,15 +327,8 @@ class StepDrafter:
     @property
     def nbytes(self) -> int:
         """Bytes on the device: the block's weights and experts, its KV cache (the trunk's tables not counted)."""
-        from . import weights as W
-
-        L = self.blk.layer
-        mats = [m for m in vars(L.mixer).values() if isinstance(m, W.DenseMatrix)]
-        mats += [m for ms in vars(L.mixer).values() if isinstance(ms, list) for m in ms]
-        mats += list(L.moe.shared or ()) + [self.blk.eh_proj]
-        mats += [m for m in (self.blk.embed, self.blk.output) if m.name.startswith(f"blk.{self.net.args.n_layer}.")]
         kv = sum(engine_ops.kv_nbytes(t) for t in self.hs.kv[0])
-        return W.unique_bytes(mats) + L.moe.router.numel() * 4 + self.store.nbytes + kv
+        return _block_bytes(self.blk, self.net) + self.store.nbytes + kv
 
     def reset(self) -> None:
         """A new sequence: nothing settled, nothing queued (the cache is overwritten by position)."""
@@ -335,7 +336,9 @@ class StepDrafter:
         self.length = 0
 
     def push(self, hidden: Tensor, tokens: Sequence[int]) -> None:
-        """The trunk's hidden rows [T, D] of T settled positions and their tokens."""
+        """The trunk's hidden rows [T, ...] of T settled positions (what the
+        head reads: [T, D] on qwen3next, the wide residual [T, S, D] on
+        qwen4exp) and their tokens."""
         toks = [int(t) for t in tokens]
         if hidden.shape[0] != len(toks):
             raise FleError(f"internal: {hidden.shape[0]} hidden states for {len(toks)} tokens")
@@ -399,7 +402,7 @@ class StepDrafter:
         if n_draft < 1:
             raise FleError(f"n_draft must be at least 1, got {n_draft}")
         out, ids, logits = self._output(vocab)
-        hs, m = self.hs, self.hs.multi
+        hs = self.hs
         hidden = torch.cat(self.queue_h) if len(self.queue_h) > 1 else self.queue_h[0]
         tokens = self.queue_tok
         nxt = tokens[1:] + [int(next_token)]
@@ -422,7 +425,7 @@ class StepDrafter:
             # provisional cells past the settled ones: rewritten by later drafts
             if last + i >= self.max_tokens:
                 break
-            hs.hid[:1].copy_(m.xn[j:j + 1])          # the head's own hidden row and draft, one position on
+            hs.hid[:1].copy_(hs.head_hidden[j:j + 1])     # the head's own hidden row and draft, one position on
             hs.toks[:1].copy_(hs.next_toks[j:j + 1])
             self._run(1, vocab, out, ids, logits)
             self._drafts[i:i + 1].copy_(hs.next_toks[:1])
@@ -434,13 +437,52 @@ class StepDrafter:
         return drafts
 
 
+def _block_bytes(blk, net) -> int:
+    """Bytes of the head block's matrices and vectors on the device (shared
+    storage once; the trunk's tables and final norm, which it may use, not
+    counted; its experts are the store's)."""
+    own = f"blk.{net.args.n_layer}."
+    trunk = {id(t) for t in (getattr(net, "output_norm", None),) if t is not None}
+    found: list = []
+
+    def walk(o) -> None:
+        if isinstance(o, W.DenseMatrix):
+            if o.name.startswith(own):
+                found.append(o)
+        elif isinstance(o, Tensor):
+            if id(o) not in trunk:
+                found.append(W.DenseMatrix("", GGMLType.F32, o, 0, 0))
+        elif isinstance(o, (list, tuple)):
+            for x in o:
+                walk(x)
+        elif dataclasses.is_dataclass(o):
+            for f in dataclasses.fields(o):
+                if f.name != "layout":
+                    walk(getattr(o, f.name))
+        elif isinstance(o, SimpleNamespace):
+            for k, v in vars(o).items():
+                if k != "sources":
+                    walk(v)
+
+    walk(blk)
+    return W.unique_bytes(found)
+
+
+def _same_hparams(a) -> dict:
+    """The hyperparameters that a head file must share with the trunk ``a`` (per architecture)."""
+    if a.arch == "qwen4exp":
+        from ..models.qwen4exp_mtp import same_hparams
+    else:
+        from ..models.qwen3next_mtp import same_hparams
+    return same_hparams(a)
+
+
 def load_step_head(net, path, device):
     """(the MTP block of ``path`` in the engine's form (``net.load_mtp_block``),
     its routed experts resident on ``device``) for a :class:`StepDrafter`."""
-    from ..models.qwen3next_mtp import same_hparams
     from .cache import ResidentExperts
 
-    gguf, _ = _open(path, net, torch.device(device), same_hparams(net.args))
+    gguf, _ = _open(path, net, torch.device(device), _same_hparams(net.args))
     try:
         blk = net.load_mtp_block(gguf)
         store = ResidentExperts({0: blk.layer.moe.layout}, {0: blk.sources}, net.args.n_expert, torch.device(device))

@@ -281,7 +281,10 @@ class Net(qwen3moe.Net):
     def alloc_mtp(self, hs, t_max: int) -> None:
         """The buffers of :meth:`mtp_step` for up to ``t_max`` rows on the
         head's own state ``hs`` (its ``multi``, no GDN snapshots: the head
-        has none), and ``hs.hid`` [t_max, D], the trunk rows it reads."""
+        has none), ``hs.hid`` [t_max, D], the trunk rows it reads, and
+        ``hs.head_hidden``, where a call leaves the head's own hidden rows
+        (what a further drafting step reads in their place: here the
+        post-norm rows ``multi.xn``)."""
         self.alloc_multi(hs, t_max, snapshots=False)
         f32 = dict(dtype=torch.float32, device=self.device)
         d = self.args.n_embd
@@ -290,6 +293,7 @@ class Net(qwen3moe.Net):
         hs.hn = torch.zeros(t_max, d, **f32)
         hs.eh = torch.zeros(t_max, 2 * d, **f32)
         hs.picks = torch.zeros(t_max, dtype=torch.int64, device=self.device)
+        hs.head_hidden = hs.multi.xn
 
     def mtp_step(self, blk: SimpleNamespace, hs, ops, store, n: int, output: W.DenseMatrix, logits: Tensor,
                  vocab_ids: "Tensor | None" = None) -> None:
@@ -319,12 +323,18 @@ class Net(qwen3moe.Net):
         self.moe_multi(L.moe, 0, hs, ops, store, n)
         ops.add_rmsnorm(x, self.multi_parts(L.moe, hs, n), blk.norm, a.eps, xn)
         output.matvec(xn, logits[:n], impl)
+        self.mtp_pick(hs, n, logits, vocab_ids)
+        self.advance(hs, n)
+
+    @staticmethod
+    def mtp_pick(hs, n: int, logits: Tensor, vocab_ids: "Tensor | None") -> None:
+        """Each row's draft -> ``hs.next_toks[:n]``: the argmax of ``logits[:n]``,
+        through ``vocab_ids`` when the output is cut to a draft vocabulary."""
         if vocab_ids is None:
             torch.argmax(logits[:n], dim=-1, out=hs.next_toks[:n])
         else:
             torch.argmax(logits[:n], dim=-1, out=hs.picks[:n])
             torch.index_select(vocab_ids, 0, hs.picks[:n], out=hs.next_toks[:n])
-        self.advance(hs, n)
 
     # prefill (runtime.prefill) ----------------------------------------------------------
     def prefill_mixer(self, L: qwen3moe.Layer, il: int, xn: Tensor, out: Tensor, pos0: int, state, ops) -> None:

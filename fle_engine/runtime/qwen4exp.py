@@ -135,7 +135,7 @@ class HostTable(W.PageLocked):
 
 class Net(qwen3next.Net):
     Args = ModelArgs
-    engine_mtp = False          # its MTP head (hyper-connections, the readout mixer) runs eagerly (runtime.mtp.Head)
+    engine_mtp = True           # the MTP head runs as the engine's own step (mtp_step, runtime.mtp.StepDrafter)
     supports_prefill = True     # runtime.prefill through prefill_trunk (the S streams, PLE, the QSA indexer)
     gdn_sigmoid = True
     gdn_tiled = True            # V head j reads K head j mod Hk (the converter's order)
@@ -468,13 +468,7 @@ class Net(qwen3next.Net):
         a, m, b = self.args, state.multi, state.bufs
         f32 = dict(dtype=torch.float32, device=self.device)
         s, d = a.hc, a.n_embd
-        m.res = torch.zeros(t_max, s, d, **f32)
-        m.hxn = torch.zeros(t_max, s, d, **f32)
-        m.hlo = torch.zeros(t_max, a.hc_rank, **f32)
-        m.hact = torch.zeros(t_max, a.hc_rank, **f32)
-        m.hg = torch.zeros(t_max, s * d, **f32)
-        m.hinj = torch.zeros(t_max, s, **f32)
-        m.steps = torch.arange(t_max, device=self.device)          # the tokens' offsets from pos
+        self.alloc_hc_multi(m, t_max)
         if self._indexed:
             m.iqk = torch.zeros(t_max, (a.idx_heads + 1) * a.idx_dim, **f32)
             m.keep = torch.zeros(t_max, b.keep.shape[0], dtype=torch.int32, device=self.device)
@@ -484,6 +478,19 @@ class Net(qwen3next.Net):
             m.ple_rows = torch.zeros(t_max * a.ple_heads, dtype=torch.int64, device=self.device)
             m.ple_emb = torch.zeros(t_max, d, **f32)
             m.ple_kv = torch.zeros(t_max, s * d + d, **f32)
+
+    def alloc_hc_multi(self, m, t_max: int) -> None:
+        """The T rows of the streams and of the HC reads in ``m`` (a state's ``multi``)."""
+        a = self.args
+        f32 = dict(dtype=torch.float32, device=self.device)
+        s, d = a.hc, a.n_embd
+        m.res = torch.zeros(t_max, s, d, **f32)
+        m.hxn = torch.zeros(t_max, s, d, **f32)
+        m.hlo = torch.zeros(t_max, a.hc_rank, **f32)
+        m.hact = torch.zeros(t_max, a.hc_rank, **f32)
+        m.hg = torch.zeros(t_max, s * d, **f32)
+        m.hinj = torch.zeros(t_max, s, **f32)
+        m.steps = torch.arange(t_max, device=self.device)          # the tokens' offsets from pos
 
     def hc_read_multi(self, hc: HC, state, ops, n: int) -> None:
         """:meth:`hc_read` of T tokens: m.hxn[:T] -> m.xn[:T] and m.hinj[:T]."""
@@ -502,7 +509,7 @@ class Net(qwen3next.Net):
         positions written, the blocks holding them refreshed, and each query
         position's block set chosen among the blocks complete at it."""
         mx = self.layers[il].mixer
-        if not isinstance(mx, QSA):
+        if not isinstance(mx, QSA) or mx.attn is not at:        # dense (the MTP head's attention: not layer il's)
             return super().attend_multi(at, il, state, ops, n)
         a, m = self.args, state.multi
         impl = self.impl(state)
@@ -677,6 +684,95 @@ class Net(qwen3next.Net):
         self.output.matvec(m.xn[:n], m.logits[:n], self.impl(state))
         torch.argmax(m.logits[:n], dim=-1, out=state.next_toks[:n])
         self.advance(state, n)
+
+    # the MTP head on the engine (runtime.mtp.StepDrafter) ---------------------------------
+    def load_mtp_block(self, gguf) -> SimpleNamespace:
+        """Block N of ``gguf`` (the model file holding the MTP head, or a
+        head file; checked by the caller) in the engine's form, as
+        :mod:`fle_engine.models.qwen4exp_mtp` reads it: the block as a
+        trunk layer (its ``hc_attn_*`` / ``hc_ffn_*`` reads, the gated
+        attention run densely -- an indexer in the file is not read, as the
+        reference head attends densely -- and the routed experts with the
+        gated shared expert; the experts' file views in ``sources``, for a
+        store to copy before the file closes), ``eh_proj`` [2 D -> D],
+        ``enorm`` [D], the per-stream ``hnorm`` [S, D], the head mixer
+        ``head_hc`` (``nextn.hc_head_*``) and the trunk's tables."""
+        a = self.args
+        il, s, d = a.n_layer, a.hc, a.n_embd
+        p = f"blk.{il}."
+        saved, self.gguf = self.gguf, gguf
+        try:
+            layer = Layer(self.load_hc(p + "hc_attn_", True), self.load_attention(il, gated=True),
+                          self.load_hc(p + "hc_ffn_", True), self.load_moe(il, shared=True))
+            sources = self.expert_sources.pop(il)
+            blk = SimpleNamespace(
+                layer=layer, sources=sources,
+                eh_proj=self.dense(p + "nextn.eh_proj.weight", d, 2 * d),
+                enorm=self.vec(p + "nextn.enorm.weight", d),
+                hnorm=self.vec(p + "nextn.hnorm.weight", s * d).view(s, d).contiguous(),
+                head_hc=self.load_hc(p + "nextn.hc_head_", inject=False),
+                embed=self.tok_embd, output=self.output)
+        finally:
+            self.gguf = saved
+        return blk
+
+    def alloc_mtp(self, hs, t_max: int) -> None:
+        """The buffers of :meth:`mtp_step` for up to ``t_max`` rows on the
+        head's own state ``hs``: the verify step's rows (no GDN snapshots,
+        no indexer or PLE rows: the head has none), ``hs.hid`` [t_max, S, D]
+        (the trunk's wide residual rows it reads) and ``hs.head_hidden``,
+        where a call leaves the head's own wide residual (``multi.res``,
+        what a further drafting step reads in place of the trunk's)."""
+        qwen3next.Net.alloc_multi(self, hs, t_max, snapshots=False)
+        self.alloc_hc_multi(hs.multi, t_max)
+        a = self.args
+        f32 = dict(dtype=torch.float32, device=self.device)
+        s, d = a.hc, a.n_embd
+        hs.hid = torch.zeros(t_max, s, d, **f32)
+        hs.en = torch.zeros(t_max, d, **f32)
+        hs.hn = torch.zeros(t_max, s, d, **f32)
+        hs.eh = torch.zeros(t_max, s, 2 * d, **f32)
+        hs.picks = torch.zeros(t_max, dtype=torch.int64, device=self.device)
+        hs.head_hidden = hs.multi.res
+
+    def mtp_step(self, blk: SimpleNamespace, hs, ops, store, n: int, output: W.DenseMatrix, logits: Tensor,
+                 vocab_ids: "Tensor | None" = None) -> None:
+        """n rows of the MTP head at positions ``hs.pos`` .. ``hs.pos`` + n - 1
+        (:meth:`fle_engine.models.qwen4exp_mtp.MTPHead.body`, then its
+        ``readout``), row t the pair (the trunk's wide residual ``hs.hid[t]``
+        [S, D], the token ``hs.toks[t]`` that followed it): stream s of
+        x = eh_proj [RMS(embed) * enorm ; RMS(hidden_s) * hnorm_s], then the
+        trunk layer's HC read -> dense gated attention (its K/V written at
+        those positions of ``hs.kv[0]``) -> HC write -> HC read -> MoE (its
+        experts read from ``store``'s layer 0) -> HC write, leaving the
+        head's wide residual in ``hs.multi.res[:n]`` (what a further
+        drafting step reads); the head mixer's read of it -> ``output``'s
+        logits in ``logits[:n]`` and each row's draft in
+        ``hs.next_toks[:n]`` (``vocab_ids[argmax]`` when ``output`` is cut
+        to a draft vocabulary); the position advances by n. Static shapes,
+        no host synchronisation: one CUDA graph per n."""
+        a, m = self.args, hs.multi
+        s, d = a.hc, a.n_embd
+        impl = self.impl(hs)
+        L = blk.layer
+        res, hxn, hinj, eh = m.res[:n], m.hxn[:n], m.hinj[:n], hs.eh[:n]
+        self.embed_multi(hs, ops, n, blk.embed)
+        ops.add_rmsnorm(m.x[:n], None, blk.enorm, a.eps, hs.en[:n])
+        ops.hc_write_norm(hs.hid[:n], None, None, s, blk.hnorm, a.eps, hs.hn[:n])      # per stream
+        eh[:, :, :d].copy_(hs.en[:n, None].expand(n, s, d))                            # the embedding half first
+        eh[:, :, d:].copy_(hs.hn[:n])
+        blk.eh_proj.matvec(eh.view(n * s, 2 * d), res.view(n * s, d), impl)
+        ops.hc_write_norm(res, None, None, s, L.hc_attn.norm, a.eps, hxn)
+        self.hc_read_multi(L.hc_attn, hs, ops, n)
+        self.attention_multi(L.mixer, 0, hs, ops, n)
+        ops.hc_write_norm(res, m.attn_out[:n], hinj, s, L.hc_ffn.norm, a.eps, hxn)
+        self.hc_read_multi(L.hc_ffn, hs, ops, n)
+        self.moe_multi(L.moe, 0, hs, ops, store, n)
+        ops.hc_write_norm(res, self.multi_parts(L.moe, hs, n), hinj, s, blk.head_hc.norm, a.eps, hxn)
+        self.hc_read_multi(blk.head_hc, hs, ops, n)
+        output.matvec(m.xn[:n], logits[:n], impl)
+        self.mtp_pick(hs, n, logits, vocab_ids)
+        self.advance(hs, n)
 
     def mtp_hidden(self, state, n: int) -> Tensor:
         """What the MTP head reads of the step that just ran (T = ``n``):
