@@ -381,6 +381,24 @@ def test_route_topk_kernel(fast):
     _close(w1, w0)
 
 
+@pytest.mark.parametrize("n_tok,n_out,n_in,wdt", [(1, 512, 2048, torch.float32), (3, 128, 96, torch.float32),
+                                                   (2, 1, 200, torch.float32), (1, 40, 64, torch.bfloat16),
+                                                   (12, 16, 64, torch.float32)])
+def test_float_mv_kernel(fast, n_tok, n_out, n_in, wdt):
+    """The router's float product: the Triton launch (up to 8 rows; 12 rows go
+    to torch's matmul) against the reference, rows of a strided buffer."""
+    torch.manual_seed(2)
+    x = torch.randn(n_tok + 2, n_in)[1:n_tok + 1]
+    w = torch.randn(n_out, n_in).to(wdt)
+    outs = []
+    for ops, dev in ((engine_ops.REFERENCE, torch.device("cpu")), (fast, DEVICE)):
+        out = torch.full((n_tok + 1, n_out), 7.0, device=dev)
+        ops.float_mv(x.to(dev), w.to(dev), out[:n_tok])
+        assert out[n_tok].eq(7.0).all()          # nothing written past the rows
+        outs.append(out[:n_tok].cpu())
+    _close(outs[1], outs[0])
+
+
 def test_add_rmsnorm_kernel(fast):
     torch.manual_seed(1)
     x = torch.randn(1, 96)

@@ -387,7 +387,7 @@ def count_launches(eng) -> dict:
 
     fast_launches = {"experts": 1, "route_topk": 1, "add_rmsnorm": 1, "qk_rope_kv": 1, "attention": 2,
                      "embed_row": 1, "hc_write_norm": 1, "hc_mix": 1, "gather_rows": 1, "gdn_step": 2,
-                     "post_misses": 1, "wait_misses": 1}
+                     "post_misses": 1, "wait_misses": 1, "float_mv": 1}
     counter = {"n": 0, "quiet": 0}
     views = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "t", "transpose", "permute",
              "as_strided", "unsqueeze", "squeeze", "alias", "detach", "_to_copy", "lift_fresh", "empty",

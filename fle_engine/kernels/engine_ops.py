@@ -367,6 +367,12 @@ def stage_apply_ref(prev_map: "Tensor | None", prev_stage: "Tensor | None", slot
         counts[1] += sum(e in routed for _, e in put)
 
 
+def float_mv_ref(x: Tensor, w: Tensor, out: Tensor) -> Tensor:
+    """``out`` [T, n_out] = x [T, n_in] @ w.T (a float matrix: the router, the shared expert's gate)."""
+    torch.matmul(x, w.T.to(x.dtype) if w.dtype != x.dtype else w.T, out=out)
+    return out
+
+
 def add_rmsnorm_ref(x: Tensor, parts: "Tensor | None", weight: Tensor, eps: float, out: Tensor) -> None:
     if parts is not None:
         x += parts.sum(1)
@@ -553,7 +559,7 @@ def _fast():
                            experts_union=te.experts_union, qk_rope_kv_multi=te.qk_rope_kv_multi,
                            attention_multi=te.attention_multi, dequant=_dequant_fast, gdn_tokens=te.gdn_tokens,
                            round_acts=te.round_acts, stage_pick=te.stage_pick, stage_copy=te.stage_copy,
-                           stage_apply=te.stage_apply)
+                           stage_apply=te.stage_apply, float_mv=te.float_mv)
 
 
 def _dequant_fast(space: WordSpace, qtype: GGMLType, *args, **kw) -> Tensor:
@@ -569,7 +575,7 @@ REFERENCE = SimpleNamespace(experts=experts_ref, route_topk=route_topk_ref, add_
                             experts_union=experts_union_ref, qk_rope_kv_multi=qk_rope_kv_multi_ref,
                             attention_multi=attention_multi_ref, dequant=dequant_ref, gdn_tokens=gdn_tokens_ref,
                             round_acts=round_acts_ref, stage_pick=stage_pick_ref, stage_copy=stage_copy_ref,
-                            stage_apply=stage_apply_ref)
+                            stage_apply=stage_apply_ref, float_mv=float_mv_ref)
 
 # name -> (reference, fast) ; the fast side is filled on first use (it imports triton)
 OPS: dict[str, tuple] = {name: (getattr(REFERENCE, name), None) for name in vars(REFERENCE)}

@@ -260,7 +260,7 @@ class Net:
         stage = getattr(state, "stage", None)
         if stage is not None:
             stage.fork(il, b.xn, ops)           # the next layer's predicted misses, on a copy stream
-        torch.matmul(b.xn, m.router.T, out=b.router)
+        ops.float_mv(b.xn, m.router, b.router)
         smap = cache.layer_map(il)
         ops.route_topk(b.router, k, a.expert_weights_scale, smap, b.ids, b.wts, state.ids_log[il:il + 1],
                        state.hit_log[il:il + 1])
@@ -598,7 +598,7 @@ class Net:
         a, m = self.args, state.multi
         k, lay = a.n_expert_used, mo.layout
         xn = m.xn[:n]
-        torch.matmul(xn, mo.router.T, out=m.router[:n])
+        ops.float_mv(xn, mo.router, m.router[:n])
         smap = cache.layer_map(il)
         ops.route_topk(m.router[:n], k, a.expert_weights_scale, smap, m.ids[:n], m.wts[:n],
                        m.ids_log[il, :n * k].view(n, k), m.hit_log[il, :n * k].view(n, k))
