@@ -384,9 +384,10 @@ def test_route_topk_kernel(fast):
 @pytest.mark.parametrize("n_tok,n_out,n_in,wdt", [(1, 512, 2048, torch.float32), (3, 128, 96, torch.float32),
                                                    (2, 1, 200, torch.float32), (1, 40, 64, torch.bfloat16),
                                                    (12, 16, 64, torch.float32)])
-def test_float_mv_kernel(fast, n_tok, n_out, n_in, wdt):
+def test_float_mv_kernel(fast, n_tok, n_out, n_in, wdt, monkeypatch):
     """The router's float product: the Triton launch (up to 8 rows; 12 rows go
     to torch's matmul) against the reference, rows of a strided buffer."""
+    monkeypatch.setenv("FLE_FLOAT_MV", "1")         # the launch is opt-in for now
     torch.manual_seed(2)
     x = torch.randn(n_tok + 2, n_in)[1:n_tok + 1]
     w = torch.randn(n_out, n_in).to(wdt)
