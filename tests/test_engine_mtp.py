@@ -497,3 +497,17 @@ def test_spec_stats_time_the_loop(next_file, budget):
     assert st.draft_calls == sum(c for n, c in enumerate(st.steps) if n) > 0
     assert st.draft_seconds > 0 and st.verify_seconds > 0
     assert "ms per call" in st.time_line()
+
+
+def test_auto_drafter_per_architecture(next_file, q4_file):
+    """--mtp-drafter auto: the engine's step for qwen3next (run on a GPU),
+    the eager head for qwen4exp until its step has run on one; step asked
+    for explicitly is given for both."""
+    kinds = {}
+    for name, path in (("qwen3next", next_file), ("qwen4exp", q4_file)):
+        for drafter in ("auto", "step"):
+            eng = _engine(path, mtp=True, mtp_drafter=drafter)
+            kinds[name, drafter] = type(eng.drafter)
+            eng.close()
+    assert kinds["qwen3next", "auto"] is rmtp.StepDrafter and kinds["qwen4exp", "auto"] is rmtp.Drafter
+    assert kinds["qwen3next", "step"] is kinds["qwen4exp", "step"] is rmtp.StepDrafter
