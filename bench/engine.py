@@ -34,6 +34,7 @@ bytes FLE streamed and the time its compute waited for copies.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -264,6 +265,7 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
                expert_bytes_mean=float(np.mean([lay.expert_bytes for lay in eng.net.layouts.values()])))
     eng.close()
     del eng
+    gc.collect()                # an engine left in reference cycles keeps its GPU tensors until collected
     torch.cuda.empty_cache()
     return res
 
@@ -303,6 +305,7 @@ def fle_prefill(model: Path, budget: "int | str", prompts: list[int], ubatches: 
                   f"{last.copy_wait_seconds * 1e3:.0f} of {last.seconds * 1e3:.0f} ms)", flush=True)
     eng.close()
     del eng
+    gc.collect()                # an engine left in reference cycles keeps its GPU tensors until collected
     torch.cuda.empty_cache()
     return out
 
