@@ -85,6 +85,8 @@ SHAPES = {
 # the 80B-A3B shape with its MTP head inside the file (one more gated-attention block, 512 experts):
 # bench/verify_step.py --drafters
 SHAPES["80b-a3b-mtp"] = dict(SHAPES["80b-a3b"], mtp="inside")
+# the scaled qwen4exp shape with its MTP block inside (for qwen4exp's drafters; not yet run)
+SHAPES["qwen4exp-scaled-mtp"] = dict(SHAPES["qwen4exp-scaled"], mtp="inside")
 
 
 # ---------------------------------------------------------------------------
