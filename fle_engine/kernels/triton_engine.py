@@ -52,6 +52,7 @@ from torch import Tensor
 from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 
 from . import triton_quant as _tq
+from .engine_ops import float_mv_ref
 from .triton_quant import _FORMATS, _decode, _iq4_xs_rows_fast, _iq4_xs_rows_fast_multi, _lut, _value_index
 
 __all__ = ["gdn_tokens", "stage_pick", "stage_copy", "stage_apply", "experts", "round_acts", "experts_union", "post_misses", "wait_misses", "route_topk", "add_rmsnorm", "qk_rope_kv",
@@ -877,8 +878,7 @@ def float_mv(x: Tensor, w: Tensor, out: Tensor) -> Tensor:
     n_out = w.shape[0]
     if n_tok > FLOAT_MV_MAX_ROWS or os.environ.get("FLE_FLOAT_MV", "0") != "1" or not w.is_contiguous() or x.stride(1) != 1 or out.stride(1) != 1 \
             or w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        torch.matmul(x, w.T.to(x.dtype) if w.dtype != x.dtype else w.T, out=out)
-        return out
+        return float_mv_ref(x, w, out)
     block_n = 1
     while block_n < 8 and n_out // (2 * block_n) >= 256:
         block_n *= 2

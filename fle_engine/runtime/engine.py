@@ -181,6 +181,25 @@ class LaneSnapshot:
         return cls([int(t) for t in d["tokens"]], list(d["parts"]), None if last is None else int(last))
 
 
+def capture_graph(device: torch.device, pool, run, reset=None) -> "torch.cuda.CUDAGraph":
+    """``run()`` captured as one CUDA graph in memory ``pool`` (None: a new
+    one; the graph's is ``g.pool()``): first run twice eagerly on a side
+    stream, which compiles every kernel, with ``reset()`` after each (put
+    back what a run advances: positions, recurrent states), then captured."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+            if reset is not None:
+                reset()
+    torch.cuda.current_stream(device).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        run()
+    return g
+
+
 class Engine:
     runtime = True              # what the server asks to tell the engine from the reference Model
 
@@ -555,15 +574,7 @@ class Engine:
             graphs = {}
             for v in self.net.variants(self.ctx_size):
                 self.net.set_variant(st, v)
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    for _ in range(2):                       # compile every kernel before capture
-                        self._step()
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self._step()
+                g = capture_graph(self.device, pool, self._step)
                 pool = g.pool()
                 graphs[v] = g
                 st.pos.zero_()
@@ -1101,17 +1112,13 @@ class Engine:
         b = self._bst
         backup = self.net.recurrent_backup(b)
         pos = b.lane_pos.clone()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.net.step_multi(b, self.ops, self.cache, n)
-                b.lane_pos.copy_(pos)
-                self.net.recurrent_restore(b, backup)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._lane_pool):
-            self.net.step_multi(b, self.ops, self.cache, n)
+
+        def reset():
+            b.lane_pos.copy_(pos)
+            self.net.recurrent_restore(b, backup)
+
+        g = capture_graph(self.device, self._lane_pool, lambda: self.net.step_multi(b, self.ops, self.cache, n),
+                          reset)
         self._lane_pool = g.pool()
         self._lane_graphs[n] = g
         return g
@@ -1192,17 +1199,13 @@ class Engine:
         is put back after each."""
         st = self.state
         backup = self.net.recurrent_backup(st)     # the eager runs advance GDN states: put back after each
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.net.step_multi(st, self.ops, self.cache, n)
-                st.pos.sub_(n)
-                self.net.recurrent_restore(st, backup)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._multi_pool):
-            self.net.step_multi(st, self.ops, self.cache, n)
+
+        def reset():
+            st.pos.sub_(n)
+            self.net.recurrent_restore(st, backup)
+
+        g = capture_graph(self.device, self._multi_pool, lambda: self.net.step_multi(st, self.ops, self.cache, n),
+                          reset)
         self._multi_pool = g.pool()
         self._multi_graphs[n] = g
         return g

@@ -379,17 +379,11 @@ class StepDrafter:
         key = (n, None if vocab is None else id(vocab))
         g = self._graph_of.get(key)
         if g is None:
-            hs = self.hs
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):             # compiles the kernels; writes the K/V the call itself writes
-                    self._step(n, out, ids, logits)
-                    hs.pos.sub_(n)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
-                self._step(n, out, ids, logits)
+            from .engine import capture_graph
+
+            # the eager runs write the K/V the call itself writes; the position is put back after each
+            g = capture_graph(self.device, self._pool, lambda: self._step(n, out, ids, logits),
+                              lambda: self.hs.pos.sub_(n))
             self._pool = g.pool()
             self._graph_of[key] = g
         g.replay()
