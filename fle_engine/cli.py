@@ -68,8 +68,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp-drafter", default="auto", choices=["auto", "step", "eager"], dest="mtp_drafter",
                    help="generate --mtp on the engine: 'step', the head's block on the engine's kernels on its GGUF "
                         "bytes, its experts resident, one CUDA graph per call size (qwen3next, qwen4exp); 'eager', the "
-                        "reference head in float32; 'auto' (default): step for qwen3next, eager for qwen4exp (its "
-                        "step is checked on the CPU only so far)")
+                        "reference head in float32; 'auto' (default): step where the architecture has one")
     p.add_argument("--draft-max", type=int, default=2, dest="draft_max",
                    help="with --mtp: tokens drafted ahead per trunk call (default: 2); with --draft-adaptive "
                         "the most")

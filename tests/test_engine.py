@@ -387,7 +387,7 @@ def test_route_topk_kernel(fast):
 def test_float_mv_kernel(fast, n_tok, n_out, n_in, wdt, monkeypatch):
     """The router's float product: the Triton launch (up to 8 rows; 12 rows go
     to torch's matmul) against the reference, rows of a strided buffer."""
-    monkeypatch.setenv("FLE_FLOAT_MV", "1")         # the launch is opt-in for now
+    monkeypatch.delenv("FLE_FLOAT_MV", raising=False)          # the launch is the default
     torch.manual_seed(2)
     x = torch.randn(n_tok + 2, n_in)[1:n_tok + 1]
     w = torch.randn(n_out, n_in).to(wdt)

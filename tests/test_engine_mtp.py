@@ -500,14 +500,14 @@ def test_spec_stats_time_the_loop(next_file, budget):
 
 
 def test_auto_drafter_per_architecture(next_file, q4_file):
-    """--mtp-drafter auto: the engine's step for qwen3next (run on a GPU),
-    the eager head for qwen4exp until its step has run on one; step asked
-    for explicitly is given for both."""
+    """--mtp-drafter auto: the engine's step for qwen3next and qwen4exp
+    (both run on a GPU), the eager head when asked for."""
     kinds = {}
     for name, path in (("qwen3next", next_file), ("qwen4exp", q4_file)):
-        for drafter in ("auto", "step"):
+        for drafter in ("auto", "step", "eager"):
             eng = _engine(path, mtp=True, mtp_drafter=drafter)
             kinds[name, drafter] = type(eng.drafter)
             eng.close()
-    assert kinds["qwen3next", "auto"] is rmtp.StepDrafter and kinds["qwen4exp", "auto"] is rmtp.Drafter
-    assert kinds["qwen3next", "step"] is kinds["qwen4exp", "step"] is rmtp.StepDrafter
+    for name in ("qwen3next", "qwen4exp"):
+        assert kinds[name, "auto"] is kinds[name, "step"] is rmtp.StepDrafter
+        assert kinds[name, "eager"] is rmtp.Drafter

@@ -871,12 +871,13 @@ def float_mv(x: Tensor, w: Tensor, out: Tensor) -> Tensor:
     float32): one launch of ~256 programs for up to FLOAT_MV_MAX_ROWS rows,
     where cuBLAS picked a split-K product and a reduction kernel for the
     router (~15-20 us per layer on the H100 for a 4 MiB matrix); torch's
-    matmul for more rows. Opt-in (FLE_FLOAT_MV=1) until it has been timed
-    and run through the engine's tests on a GPU: so far it is checked
-    against the reference in Triton's interpreter only."""
+    matmul for more rows. On the H100 the 30B-A3B step's router takes
+    129 us in this launch against 212 us in cuBLAS's two kernels
+    (docs/benchmarks.md, 2026-12-06); FLE_FLOAT_MV=0 selects torch's
+    matmul."""
     n_tok, n_in = x.shape
     n_out = w.shape[0]
-    if n_tok > FLOAT_MV_MAX_ROWS or os.environ.get("FLE_FLOAT_MV", "0") != "1" or not w.is_contiguous() or x.stride(1) != 1 or out.stride(1) != 1 \
+    if n_tok > FLOAT_MV_MAX_ROWS or os.environ.get("FLE_FLOAT_MV", "1") == "0" or not w.is_contiguous() or x.stride(1) != 1 or out.stride(1) != 1 \
             or w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return float_mv_ref(x, w, out)
     block_n = 1

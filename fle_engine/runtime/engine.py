@@ -410,8 +410,8 @@ class Engine:
         step = bool(getattr(self.net, "engine_mtp", False))
         if drafter == "step" and not step:
             raise FleError(f"the engine has no MTP head step for {a.arch}; use the eager drafter")
-        # auto: the step where the architecture's step is the default (run and timed on a GPU), else eager
-        if drafter == "step" or (drafter == "auto" and step and getattr(self.net, "engine_mtp_default", step)):
+        # auto: the engine's step where the architecture has one, else the eager head
+        if drafter == "step" or (drafter == "auto" and step):
             return load_step_head(self.net, spec, self.device)
         return load_head(self.net, spec, self.device, self.ops, self.fast, experts)
 

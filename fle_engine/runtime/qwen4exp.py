@@ -136,7 +136,6 @@ class HostTable(W.PageLocked):
 class Net(qwen3next.Net):
     Args = ModelArgs
     engine_mtp = True           # the MTP head runs as the engine's own step (mtp_step, runtime.mtp.StepDrafter)
-    engine_mtp_default = False  # ... with --mtp-drafter step: auto keeps the eager head until the step has run on a GPU
     supports_prefill = True     # runtime.prefill through prefill_trunk (the S streams, PLE, the QSA indexer)
     gdn_sigmoid = True
     gdn_tiled = True            # V head j reads K head j mod Hk (the converter's order)
