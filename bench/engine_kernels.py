@@ -159,6 +159,104 @@ def read_ceiling(n_expert=128, expert_bytes=2_506_752, k=8, groups=16) -> dict:
     return {"us": t * 1e6, "GBps": k * expert_bytes / t / 1e9}
 
 
+def miss_count_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16, counts=(0, 1, 2, 3, 4, 8),
+                     tokens=(1, 3)) -> list[dict]:
+    """A layer's expert launches (gate+up, then down) with m of each token's k experts missed,
+    at the engine's default configuration: the T = 1 launch (``experts``) and the T-token union
+    launch (``experts_union``, T tokens routed to distinct experts), 16 layers per timed graph.
+    Beside each, a kernel that only reads the same missed bytes over PCIe (1024-word programs):
+    the cost a missed expert adds to a layer, against what reading it alone costs."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from fle_engine.kernels import triton_engine as te
+    from fle_engine.runtime.weights import ExpertLayout
+    from fle_quant.ggml_types import GGMLType
+
+    @triton.jit
+    def _read(w_ptr, base_ptr, out_ptr, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+        e = tl.program_id(1)
+        base = tl.load(base_ptr + e)
+        offs = tl.program_id(0) * (BLOCK * STEPS) + tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for i in range(STEPS):
+            o = offs + i * BLOCK
+            acc += tl.load(w_ptr + base + o, mask=o < n_words, other=0)
+        tl.atomic_add(out_ptr + e, tl.sum(acc, axis=0))
+
+    qt = GGMLType.IQ4_XS
+    lay = ExpertLayout(n_ff, n_embd, qt, n_embd // 256 * 136, qt, n_ff // 256 * 136)
+    eb = lay.expert_bytes
+    rng = np.random.default_rng(0)
+    host_np = rng.integers(0, 256, size=(n_expert, eb), dtype=np.uint8)
+    host_np.view(np.uint16)[:, ::68] = 0x1400            # small scales: finite sums
+    err = torch.cuda.cudart().cudaHostRegister(host_np.ctypes.data, host_np.nbytes, 3)
+    assert int(getattr(err, "value", err)) == 0, err
+    slots = torch.from_numpy(host_np).cuda()
+    words = slots.view(-1).view(torch.int32)
+    delta = (host_np.ctypes.data - words.data_ptr()) // 4
+
+    class _Host:
+        dtype = torch.int32
+
+        def data_ptr(self):
+            return host_np.ctypes.data
+
+    out = []
+    for T in tokens:
+        ids = [torch.tensor(rng.permutation(n_expert)[:T * k], dtype=torch.int64, device="cuda")
+               for _ in range(groups)]
+        x = torch.randn(T, n_embd, device="cuda") * 0.1
+        h = torch.zeros(T * k, n_ff, device="cuda")
+        y = torch.zeros(T * k, n_embd, device="cuda")
+        w = torch.full((T * k,), 0.125, device="cuda")
+        for m in counts:
+            if m > k:
+                continue
+            maps = []
+            for g in range(groups):           # the first m experts of each token missed, the rest in slots
+                smap = torch.arange(n_expert, dtype=torch.int32, device="cuda")
+                gi = ids[g].view(T, k)
+                smap[gi[:, :m].reshape(-1)] = -1
+                maps.append(smap)
+
+            def fn():
+                for g in range(groups):
+                    if T == 1:
+                        te.experts(words, qt, delta, 0, eb // 4, n_ff, lay.gu_row_bytes, maps[g], ids[g], x, h, True,
+                                   k)
+                        te.experts(words, qt, delta, lay.down_offset // 4, eb // 4, n_embd, lay.down_row_bytes,
+                                   maps[g], ids[g], h, y, False, k, w)
+                    else:
+                        te.experts_union(words, qt, delta, 0, eb // 4, n_ff, lay.gu_row_bytes, maps[g], ids[g], x,
+                                         h, True, k)
+                        te.experts_union(words, qt, delta, lay.down_offset // 4, eb // 4, n_embd,
+                                         lay.down_row_bytes, maps[g], ids[g], h, y, False, k, w)
+            t = _time_graph(fn) / groups
+            row = {"T": T, "missed_per_token": m, "missed": T * m, "us": t * 1e6}
+            if m:
+                bases = [ids[g].view(T, k)[:, :m].reshape(-1) * (eb // 4) for g in range(groups)]
+                acc = torch.zeros(T * m, dtype=torch.int32, device="cuda")
+                ew = eb // 4
+                gu_words = lay.down_offset // 4
+
+                def rd():
+                    for g in range(groups):
+                        _read[(triton.cdiv(gu_words, 4096), T * m)](_Host(), bases[g], acc, gu_words, BLOCK=1024,
+                                                                     STEPS=4, num_warps=4)
+                        _read[(triton.cdiv(ew - gu_words, 4096), T * m)](_Host(), bases[g] + gu_words, acc,
+                                                                          ew - gu_words, BLOCK=1024, STEPS=4,
+                                                                          num_warps=4)
+                tr = _time_graph(rd) / groups
+                row["read_only_us"] = tr * 1e6
+                row["read_only_GBps"] = T * m * eb / tr / 1e9
+            out.append(row)
+            print(row, flush=True)
+    torch.cuda.cudart().cudaHostUnregister(host_np.ctypes.data)
+    return out
+
+
 def dense_bench(explore: bool = False) -> list[dict]:
     import torch
 
@@ -217,6 +315,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="try launch configurations of the expert kernels")
     p.add_argument("--explore", action="store_true",
                    help="also try super-blocks per loop iteration and programmatic dependent launch (sm_90+)")
+    p.add_argument("--misses", action="store_true",
+                   help="only the cost of m missed experts per token in a layer's launches, T = 1 and 3")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     import json
@@ -226,6 +326,18 @@ def main(argv=None) -> int:
 
     res = {"ceilings": ceilings()}
     print(res["ceilings"], flush=True)
+    if args.misses:
+        res["misses"] = miss_count_bench()
+        base = {r["T"]: r["us"] for r in res["misses"] if r["missed_per_token"] == 0}
+        for r in res["misses"]:
+            if r["missed"]:
+                extra = r["us"] - base[r["T"]]
+                print(f"T = {r['T']}, {r['missed']} missed experts in the layer: {r['us']:.1f} us, "
+                      f"{extra / r['missed']:.1f} us more per missed expert than none missed; reading them alone "
+                      f"{r['read_only_us']:.1f} us ({r['read_only_GBps']:.1f} GB/s)")
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1))
+        return 0
     def full(c):          # (rows, warps, unrolled, super-blocks per iteration)
         return tuple(c) + (1,) * (4 - len(c))
 

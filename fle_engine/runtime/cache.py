@@ -198,6 +198,19 @@ class ExpertCache:
         self._copy_now(adm)
         return len(adm[0])
 
+    def fill_whole_layers(self) -> int:
+        """Load every expert of each layer whose slots can hold them all (as
+        llama.cpp's -ngl 99 loads a layer's experts), so that those layers
+        never miss from the first step; other layers start as they were.
+        Returns the experts loaded."""
+        rankings = [np.arange(self.n_expert) if self.slots_per_layer[l] >= self.n_expert else None
+                    for l in self.layers]
+        if all(r is None for r in rankings):
+            return 0
+        adm = self.policy.fill(rankings)
+        self._copy_now(adm)
+        return len(adm[0])
+
     def _copy_now(self, adm) -> None:
         layer, expert, slot, _ = adm
         for li, e, s in zip(layer.tolist(), expert.tolist(), slot.tolist()):

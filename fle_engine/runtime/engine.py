@@ -329,6 +329,7 @@ class Engine:
                                  stage_rows=self.miss_prefetch)
         if profile is not None:
             self.cache.warm(profile)
+        self.cache.fill_whole_layers()           # layers that fit whole are on the GPU from the start
         if self._lanes is not None and self.cuda:
             self._lanes_ev = self.cache.calls.event()
         self.prefetch = st.stage = None
