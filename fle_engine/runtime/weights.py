@@ -179,6 +179,28 @@ def _cudart():
     return torch.cuda.cudart()
 
 
+def host_buffer(nbytes: int, huge: bool = False) -> np.ndarray:
+    """uint8 [nbytes] of host memory; ``huge``: an anonymous mapping advised
+    to use transparent huge pages (2 MiB, Linux's MADV_HUGEPAGE; ignored
+    where the kernel does not offer them), so that a page-locked buffer
+    that the GPU reads is mapped with fewer, larger pages. The mapping is
+    returned when the array is collected."""
+    import mmap
+
+    if not huge or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(nbytes, np.uint8)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(m, np.uint8)
+
+
+def huge_pages() -> bool:
+    """FLE_HOST_HUGEPAGES=1: the routed experts' host buffer asks for huge pages (:func:`host_buffer`)."""
+    import os
+
+    return os.environ.get("FLE_HOST_HUGEPAGES", "0") == "1"
+
+
 def pin_host(buf: np.ndarray, what: str, why: str) -> None:
     """Page-lock ``buf`` and map it for the GPU: cudaHostRegister (portable
     | mapped), so the pages stay resident and the GPU reads them by their
@@ -231,7 +253,7 @@ class HostExperts(PageLocked):
             off = _align(off + n_expert * layouts[il].expert_bytes, 4096)
         self.nbytes = off
         try:
-            self.buf = np.empty(max(off, 1), np.uint8)
+            self.buf = host_buffer(max(off, 1), huge=pin and huge_pages())
         except MemoryError:
             raise FleError(f"the routed experts take {off / 2**30:.1f} GiB of host memory and this machine "
                            f"cannot allocate that; use a smaller file or a machine with more RAM") from None
