@@ -55,6 +55,12 @@ def _engine(path, n_slots=None, log=None, **kw):
                   prefill_min=8, **kw)
 
 
+def _same_logits(a, b) -> bool:
+    """Equal bytes on the CPU (the reference operations); on CUDA the runs
+    replay the same kernels on the same bytes, checked to a tolerance."""
+    return torch.equal(a, b) if not CUDA else torch.allclose(a, b, rtol=0, atol=1e-3)
+
+
 def _run(eng, prompt, n):
     """Greedy tokens of ``prompt`` and the logits after its first token and after the last."""
     first = eng.generate(prompt, 1)
@@ -72,10 +78,13 @@ def test_mapped_equals_host_buffer(files, arch):
     buffer, with misses and admissions on the way."""
     path = files[arch]
     runs = {}
+    # on CUDA the mapped run computes every miss on the CPU: so does the buffer's run here
+    split = "cpu" if CUDA else "gpu"
     for mode in ("auto", "mapped"):
-        eng = _engine(path, 2, host_experts=mode)
+        eng = _engine(path, 2, host_experts=mode, miss_split=split)
         assert eng.host.mapped == (mode == "mapped")
-        assert eng.memory_report()["host_experts_mode"] == ("mapped" if mode == "mapped" else "process")
+        want_mode = "mapped" if mode == "mapped" else ("pinned" if CUDA else "process")
+        assert eng.memory_report()["host_experts_mode"] == want_mode
         short = _run(eng, PROMPT, N_TOKENS)
         assert eng.prefill.stats.tokens == 0                    # a short prompt runs as decode steps
         long = _run(eng, LONG, N_TOKENS)
@@ -88,7 +97,7 @@ def test_mapped_equals_host_buffer(files, arch):
     for (t0, l0), (t1, l1) in zip(runs["auto"], runs["mapped"]):
         assert t0 == t1
         for a, b in zip(l0, l1):
-            assert torch.equal(a, b)
+            assert _same_logits(a, b)
 
 
 def test_mapped_misses_on_the_cpu_kernels(files):
@@ -103,7 +112,7 @@ def test_mapped_misses_on_the_cpu_kernels(files):
         assert eng.split.cpu_experts > 0
         eng.close()
     assert got["pinned"][0] == got["mapped"][0]
-    assert all(torch.equal(a, b) for a, b in zip(got["pinned"][1], got["mapped"][1]))
+    assert all(_same_logits(a, b) for a, b in zip(got["pinned"][1], got["mapped"][1]))
 
 
 def _stores(path):
