@@ -40,6 +40,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "PCIe and the CPU at once, in the share that the two bandwidths measured at start give; "
                         "gpu: the GPU alone; cpu: the CPU alone; FRACTION: that fraction on the CPU "
                         "(docs/benchmarks.md)")
+    p.add_argument("--host-experts", default="auto", choices=("auto", "pinned", "mapped"),
+                   help="engine: where the routed experts live on the host: pinned: one page-locked buffer read once "
+                        "from the file (the GPU reads misses from it; an error when the machine cannot hold or lock "
+                        "it); mapped: left memory-mapped in the file, no copy held (the OS page cache keeps what was "
+                        "read), every miss computed on the CPU; auto (default): pinned when it fits the available "
+                        "RAM less 4 GiB and can be locked, else mapped (said in one line)")
     p.add_argument("--miss-prefetch", type=int, default=0, metavar="N",
                    help="engine: copy up to N predicted misses per layer into GPU slots on a copy stream one layer "
                         "ahead (the next layer's router applied to this layer's input); 0 (default): off. The "
@@ -354,7 +360,8 @@ def _generate_engine(args, tok, prompt, sampler, vocab=None) -> int:
                 cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                 profile_path=args.cache_profile, miss_split=args.miss_split, cpu_impl=args.cpu_kernels,
                 miss_activations=args.miss_activations, ubatch=args.ubatch, prefill_min=args.prefill_min, mtp=mtp,
-                miss_prefetch=args.miss_prefetch, mtp_drafter=args.mtp_drafter) as eng:
+                miss_prefetch=args.miss_prefetch, mtp_drafter=args.mtp_drafter,
+                host_experts=args.host_experts) as eng:
         n_predict = min(args.n_predict, eng.ctx_size - len(prompt))
         picker = None if args.temp <= 0 else sampler
         if mtp:
@@ -404,7 +411,7 @@ def _serve(args) -> int:
                        cache_type_v=args.cache_type_v, profile_path=args.cache_profile,
                        miss_split=args.miss_split, cpu_impl=args.cpu_kernels, ubatch=args.ubatch,
                        prefill_min=args.prefill_min, miss_activations=args.miss_activations,
-                       miss_prefetch=args.miss_prefetch)
+                       miss_prefetch=args.miss_prefetch, host_experts=args.host_experts)
     return serve(args.model, host=args.host, port=args.port, ctx_size=args.ctx_size, device=device,
                  threads=args.threads, mtp=args.mtp, mtp_head=args.mtp_head, n_draft=args.draft_max,
                  draft_vocab=args.draft_vocab, draft_vocab_corpus=args.draft_vocab_corpus,

@@ -105,8 +105,10 @@ __all__ = ["OPS", "pick", "ExpertWords", "WordSpace", "tile_columns", "WORDS", "
 class ExpertWords:
     """The slot buffer and the host buffer of the routed experts as the
     reference sees them: ``slots`` and ``host`` uint8 [rows, expert_bytes]
-    tensors, and the word size (bytes) that the part offsets count in (the
-    fast kernels address both buffers from one pointer instead)."""
+    tensors (``host`` may be any object whose ``[e]`` is expert e's packed
+    bytes: memory-mapped experts), and the word size (bytes) that the part
+    offsets count in (the fast kernels address both buffers from one
+    pointer instead)."""
 
     def __init__(self, slots: Tensor, host: Tensor, word: int):
         self.slots, self.host, self.word = slots, host, int(word)

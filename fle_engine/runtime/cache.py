@@ -16,7 +16,10 @@ step boundary (:meth:`ExpertCache.boundary`):
    pinned staging buffer on the main stream, and an event marks the point;
 3. the new admissions' bytes are copied from the host buffer into their
    slots on a side stream that waits for that event; the next boundary
-   makes them visible.
+   makes them visible. With the experts memory-mapped in the file
+   (:class:`~fle_engine.runtime.weights.MappedExperts`) they are first
+   packed into a page-locked buffer, after the host has waited for the
+   previous boundary's copy out of it.
 
 So a decision taken from step t's routing is made while step t + 1 runs,
 its copy runs beside step t + 2 and it serves from step t + 3 on; no replay
@@ -39,7 +42,7 @@ from .. import cached_moe
 from ..expert_cache import BatchedCache, CachePolicy, plan_slots
 from ..kernels import engine_ops
 from . import cudacalls
-from .weights import ExpertLayout, HostExperts, _align
+from .weights import ExpertLayout, HostExperts, MappedExperts, PackBuffer, _align
 
 __all__ = ["ExpertCache", "CacheStats"]
 
@@ -56,7 +59,8 @@ class CacheStats(cached_moe.CacheStats):
 class ExpertCache:
     """Slots for the routed experts of every MoE layer under ``budget_bytes``."""
 
-    def __init__(self, layouts: dict[int, ExpertLayout], host: HostExperts, n_expert: int, budget_bytes: int,
+    def __init__(self, layouts: dict[int, ExpertLayout], host: "HostExperts | MappedExperts", n_expert: int,
+                 budget_bytes: int,
                  device: torch.device, policy: CachePolicy = CachePolicy(), profile=None, stage_rows: int = 0):
         self.layers = sorted(layouts)
         self.layouts, self.host, self.n_expert, self.device = layouts, host, n_expert, device
@@ -81,7 +85,7 @@ class ExpertCache:
         self.mirror = np.full((len(self.layers), n_expert), -1, np.int32)     # what the device map holds
         self.expert_in = [np.full(max(1, self.slots_per_layer[l]), -1, np.int64) for l in self.layers]
         self._slot2d = {l: self._slot_view(l) for l in self.layers}
-        self._host2d = {l: host.view(l) for l in self.layers}
+        self._host2d = {l: host.rows(l) for l in self.layers}
         self.stats = CacheStats()
         self._pending: list[tuple[np.ndarray, ...]] = []
         self._in_flight: list[tuple[int, int, int]] = []
@@ -95,6 +99,7 @@ class ExpertCache:
             self._staging = [torch.empty_like(self.map, device="cpu").pin_memory() for _ in range(4)]
             self._staging_events = [self.calls.event() for _ in range(4)]
             self._next_staging = 0
+            self._pack = PackBuffer(pin=True) if host.mapped else None
             self._mark = self.calls.event()
             self._copied = self.calls.event()
 
@@ -172,6 +177,10 @@ class ExpertCache:
         dt = engine_ops.WORDS[qtype]
         w = self.slot_view(l).reshape(-1).view(dt)
         size = w.element_size()
+        if self.host.mapped:
+            # no address to give: with the experts memory-mapped the engine gives every miss to the CPU
+            # (Engine._setup_split), so the kernels never read at this distance
+            return w, 0
         delta = self.host.address(l) - w.data_ptr()
         if delta % size:
             raise FleError("internal: expert buffers are not word-aligned")
@@ -180,7 +189,7 @@ class ExpertCache:
     def reference_store(self, l: int, qtype) -> engine_ops.ExpertWords:
         # types without a fast kernel (float experts) run on the reference side only: offsets in bytes
         word = engine_ops.WORDS[qtype].itemsize if qtype in engine_ops.WORDS else 1
-        return engine_ops.ExpertWords(self.stage_view(l), self.host.view(l), word)
+        return engine_ops.ExpertWords(self.stage_view(l), self._host2d[l], word)
 
     def layer_map(self, l: int) -> Tensor:
         return self.map[self.index[l]]
@@ -215,7 +224,7 @@ class ExpertCache:
         layer, expert, slot, _ = adm
         for li, e, s in zip(layer.tolist(), expert.tolist(), slot.tolist()):
             l = self.layers[li]
-            self.slot_view(l)[s].copy_(self.host.view(l)[e])
+            self.slot_view(l)[s].copy_(self._host2d[l][e])
             self._set(li, e, s)
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
@@ -304,11 +313,30 @@ class ExpertCache:
             rows = by_layer.setdefault(li, ([], []))
             rows[0].append(s)
             rows[1].append(e)
+        packed = self._packed(by_layer) if self.host.mapped else {}
         for li, (slots, experts) in by_layer.items():
             l = self.layers[li]
-            c.copy_rows(self._slot2d[l], slots, self._host2d[l], experts, cs)
+            src, rows = packed.get(li, (self._host2d[l], experts))
+            c.copy_rows(self._slot2d[l], slots, src, rows, cs)
         c.record(self._copied, cs)              # the next boundary's wait is made before this is recorded again
         self._copy_event = self._copied
+
+    def _packed(self, by_layer: dict) -> dict:
+        """Memory-mapped experts: each layer's admitted experts packed into
+        the page-locked pack buffer -> {layer index: (uint8 [n, expert_bytes]
+        rows, their row numbers)}."""
+        if self._copy_event is not None:
+            self.calls.synchronize(self._copied)       # the previous boundary's copy out of the buffer is done
+        sizes = {li: self.layouts[self.layers[li]].expert_bytes for li in by_layer}
+        flat = self._pack.take(sum(len(ex) * sizes[li] for li, (_, ex) in by_layer.items()))
+        out, off = {}, 0
+        for li, (_, experts) in by_layer.items():
+            n, eb = len(experts), sizes[li]
+            rows = flat[off:off + n * eb].reshape(n, eb)
+            self.host.gather(self.layers[li], experts, rows)
+            out[li] = (torch.from_numpy(rows), list(range(n)))
+            off += n * eb
+        return out
 
     def profile_counts(self) -> dict[int, np.ndarray]:
         c = self.policy.counts

@@ -2,7 +2,9 @@
 decode step replayed as a CUDA graph with the cache policy one step behind.
 
 ``Engine(path, cache_budget=...)`` loads the file (dense weights in their
-GGUF bytes on the device, the routed experts page-locked in host memory),
+GGUF bytes on the device, the routed experts page-locked in host memory, or
+left memory-mapped in the file with every miss computed on the CPU:
+``host_experts``, :func:`~fle_engine.runtime.weights.open_host_experts`),
 plans the slots under the budget, warm-starts them from a saved usage
 profile, allocates the KV cache for ``ctx_size`` positions and captures
 one decode step. ``generate(prompt, n)`` runs steps with one step of
@@ -53,7 +55,7 @@ from .cache import ExpertCache
 from .prefill import Prefill, prefill_bytes
 from .split import SHARE_ONE, MissSplit, cpu_experts, parse_split, split_bytes
 from .split import cpu_threads as split_threads
-from .weights import HostExperts
+from .weights import HOST_MODES, open_host_experts
 
 __all__ = ["Engine", "LaneSnapshot", "RunStats", "ARCHS", "KV_TYPES", "VERIFY_MAX", "parse_budget"]
 
@@ -208,7 +210,7 @@ class Engine:
                  cpu_impl: str = "auto", miss_activations: str = "float", ubatch: int = 4096, prefill_min: int = PREFILL_MIN,
                  profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
                  progress: bool = True, log=None, mtp=None, mtp_experts: str = "auto", n_seq: int = 1,
-                 miss_prefetch: int = 0, mtp_drafter: str = "auto"):
+                 miss_prefetch: int = 0, mtp_drafter: str = "auto", host_experts: str = "auto"):
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr))
         self.n_seq = int(n_seq)
         if self.n_seq < 1:
@@ -233,6 +235,8 @@ class Engine:
             raise FleError(f"--miss-prefetch {miss_prefetch}: 0 (off) to 16 experts per layer")
         if self.miss_prefetch and self.n_seq > 1:
             raise FleError(f"--miss-prefetch runs on one sequence: serve it with --parallel 1, not {self.n_seq}")
+        if host_experts not in HOST_MODES:
+            raise FleError(f"--host-experts {host_experts!r}: auto, pinned or mapped")
         if miss_activations not in ("float", "q8"):
             raise FleError(f"--miss-activations {miss_activations!r}: float or q8")
         self.cpu_impl = cpu_impl
@@ -265,9 +269,16 @@ class Engine:
             raise FleError(f"--ctx-size {ctx_size} shared by {self.n_seq} sequences leaves fewer than 2 positions "
                            f"each")
 
-        # routed experts: one host buffer, read once from the file
-        self.host = HostExperts(self.net.layouts, a.n_expert, pin=self.cuda)
-        self._fill_host(progress)
+        # routed experts: one host buffer, read once from the file, or the file's pages (memory-mapped)
+        self.host = open_host_experts(self.net.layouts, a.n_expert, self.net.expert_sources, host_experts,
+                                      pin=self.cuda, log=self.log, path=self.path)
+        if not self.host.mapped:
+            self._fill_host(progress)
+        self.net.expert_sources = {}
+        if self.host.mapped and self.cuda and self.miss_prefetch:
+            self.log("misses: --miss-prefetch off: its copies read the experts from page-locked host memory, and "
+                     "they stay memory-mapped in the file")
+            self.miss_prefetch = 0
 
         # KV cache, rotary table, step buffers
         kd, vd = KV_TYPES[cache_type_k], KV_TYPES[cache_type_v]
@@ -329,7 +340,9 @@ class Engine:
                                  stage_rows=self.miss_prefetch)
         if profile is not None:
             self.cache.warm(profile)
-        self.cache.fill_whole_layers()           # layers that fit whole are on the GPU from the start
+        # layers that fit whole are on the GPU from the start (with memory-mapped experts on CUDA their cold
+        # misses would also have nowhere to run: such layers are not in the miss split)
+        self.cache.fill_whole_layers()
         if self._lanes is not None and self.cuda:
             self._lanes_ev = self.cache.calls.event()
         self.prefetch = st.stage = None
@@ -426,11 +439,23 @@ class Engine:
         layers = [il for il in self.net.layouts if self.cache.slots_per_layer[il] < a.n_expert]
         if not layers:
             return
+        # t_max: room for the rows of the verify step and of the batched step of several sequences
+        t_max = min(max(VERIFY_MAX, self.n_seq), 255 // a.n_expert_used)
+        if self.host.mapped and self.cuda:
+            # the GPU cannot read pageable memory: every miss of every step goes to the CPU
+            if t_max < max(VERIFY_MAX, self.n_seq):
+                raise FleError(f"with the routed experts memory-mapped the CPU computes every miss, for at most "
+                               f"{t_max} rows a step; serve at most {t_max} sequences (--parallel), or run with "
+                               f"--host-experts pinned")
+            share = SHARE_ONE
         if not share or (share == "auto" and not self.cuda):
             return
         try:
             cpu = cpu_experts(self.host, self.net.layouts, self.cpu_impl)
         except FleError as e:
+            if self.host.mapped and self.cuda:
+                raise FleError(f"the routed experts are memory-mapped, so the CPU computes every miss, and: {e}; "
+                               f"pick other --cpu-kernels or run with --host-experts pinned") from None
             if share != "auto":
                 raise FleError(f"--miss-split {spec}: {e}") from None
             self.log(f"misses: all on the GPU ({e})")
@@ -438,8 +463,6 @@ class Engine:
         if share == "auto":
             share = self._measure_split(cpu, layers[0])
         if share:
-            # room for the rows of the verify step and of the batched step of several sequences
-            t_max = min(max(VERIFY_MAX, self.n_seq), 255 // a.n_expert_used)
             self.split = self.state.split = MissSplit(cpu, layers, a.n_embd, a.n_expert_used, share, self.cuda,
                                                       self.log, t_max=t_max)
             for rec in self._lanes or ():           # every lane's steps and the batched step share the counter
@@ -448,6 +471,8 @@ class Engine:
                 self._bst.split, self._bst.serial = self.split, self.state.serial
             self.log(f"misses: {share / SHARE_ONE:.0%} computed on the CPU ({cpu.name} kernels), the rest read "
                      f"by the GPU over PCIe")
+        assert not (self.host.mapped and self.cuda) or (self.split is not None and self.split.share == SHARE_ONE), \
+            "internal: memory-mapped experts need every miss on the CPU"
 
     def _measure_split(self, cpu, il: int) -> int:
         """Bytes per second of missed experts on each side, for layer ``il``'s
@@ -484,6 +509,7 @@ class Engine:
         if cpu.impl in ("ggml", "numba"):
             from ..kernels.cpu_experts.team import measure
 
+            assert not self.host.mapped, "internal: --miss-split auto is not measured on memory-mapped experts"
             cpu_bw = measure(self.host.buf, self.host.offsets[il], lay, cpu.impl, split_threads(), k, a.n_expert, kc)
         else:
             xs = x.view(-1).cpu().numpy()
@@ -593,6 +619,7 @@ class Engine:
     def memory_report(self) -> dict:
         rep = {"dense_weights": self.net.dense_bytes, "kv_cache": self.kv_bytes, "expert_slots": self.cache.nbytes,
                "expert_budget_used": self.cache.budget_used, "host_experts": self.host.nbytes,
+               "host_experts_mode": self.host.mode,
                "prefill_buffers": self.prefill_bytes}
         if self.drafter is not None:
             rep["mtp_head"] = self.drafter.nbytes
@@ -618,11 +645,14 @@ class Engine:
                  + (f"; prefill buffers up to {m['prefill_buffers'] / gib:.2f} GiB while a prompt is prefilled"
                     if m["prefill_buffers"] else "")
                  + (f"; MTP head {m['mtp_head'] / gib:.2f} GiB ({self.drafter.kind})" if "mtp_head" in m else "")
-                 + f"; host experts {m['host_experts'] / gib:.2f} GiB "
-                   f"{'page-locked' if self.host.pinned else 'in process memory'}; "
+                 + f"; host experts {m['host_experts'] / gib:.2f} GiB {self._host_where()}; "
                  + (("CUDA graph" if len(self._graphs) == 1 else f"CUDA graph ({len(self._graphs)} length buckets)")
                     if self._graph is not None else "eager")
                  + f" steps ({'triton' if self.fast else 'reference'})")
+
+    def _host_where(self) -> str:
+        return {"pinned": "page-locked", "process": "in process memory",
+                "mapped": f"memory-mapped in {self.path.name}"}[self.host.mode]
 
     # stepping ---------------------------------------------------------------------
     def _launch(self, token: "int | None") -> None:
@@ -1435,6 +1465,8 @@ class Engine:
             torch.cuda.synchronize(self.device) if self.cuda else None
             self.split.close()
             self.split = None
+        if getattr(self, "prefill", None) is not None:
+            self.prefill.close()
         if getattr(self, "host", None) is not None:
             self.host.close()
 

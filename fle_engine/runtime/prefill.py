@@ -31,6 +31,11 @@ afterwards; when the slot buffer is smaller than the ring, the ring is
 allocated instead. The cache policy does not see prefill routing (a prompt
 touches every expert once; the policy learns from decode steps).
 
+With the experts memory-mapped in the file (``--host-experts mapped``) a
+layer's uncached experts are first packed on the host into one of
+``depth`` page-locked pack buffers (plain memory without CUDA), after the
+host has waited for the copy out of that buffer ``depth`` layers before.
+
 Measure (``PrefillStats``): tokens, seconds, bytes copied, and the time the
 compute stream stood waiting for a copy (copying without computing).
 """
@@ -45,7 +50,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import engine_ops
-from .weights import FLOAT_TYPES, _align
+from .weights import FLOAT_TYPES, PackBuffer, _align
 
 __all__ = ["sort_by_expert", "grouped_mm", "Prefill", "PrefillStats", "Staging", "dense_rows", "prefill_bytes"]
 
@@ -228,7 +233,8 @@ class Staging:
             li = c.index[l]
             for s, e in enumerate(c.expert_in[li].tolist()):
                 if e >= 0:
-                    c.slot_view(l)[s].copy_(c.host.view(l)[e], non_blocking=True)
+                    # a packed memory-mapped expert is a temporary: copied before the call returns
+                    c.slot_view(l)[s].copy_(c.host.rows(l)[e], non_blocking=not c.host.mapped)
         self.lent_layers = []
 
 
@@ -245,6 +251,11 @@ class Prefill:
         self._scratch: dict = {}
         self.stats = PrefillStats()
         self.hidden = None
+        self._packs = None           # memory-mapped experts: their pack buffers, made on first use
+
+    def close(self) -> None:
+        for b in self._packs or ():
+            b.close()
 
     @property
     def dtype(self):
@@ -284,21 +295,19 @@ class Prefill:
         done_ev: list = []                                   # per global layer: compute finished reading
         copy_ev: list = []
         waits: list = []
-        host_t = cache.host.tensor
 
         def issue_copy(g: int) -> None:
             il = g % a.n_layer
             dst = stg.ring(g % self.depth)
             eb = cache.layouts[il].expert_bytes
-            src_off = cache.host.offsets[il]
             runs = stg.runs(il)
+            src, starts = self._sources(il, runs, g, copy_ev)
             ev = None
             with torch.cuda.stream(copy) if cuda else contextlib.nullcontext():
                 if cuda and g >= self.depth:
                     copy.wait_event(done_ev[g - self.depth])
-                for e0, n in runs:
-                    dst[e0 * eb:(e0 + n) * eb].copy_(host_t[src_off + e0 * eb:src_off + (e0 + n) * eb],
-                                                     non_blocking=cuda)
+                for (e0, n), o in zip(runs, starts):
+                    dst[e0 * eb:(e0 + n) * eb].copy_(src[o:o + n * eb], non_blocking=cuda)
                 if cuda:
                     ev = torch.cuda.Event(enable_timing=True)
                     ev.record(copy)
@@ -379,6 +388,27 @@ class Prefill:
         if keep_hidden:
             self.hidden = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         return stats
+
+    def _sources(self, il: int, runs: list, g: int, copy_ev: list) -> tuple[Tensor, list]:
+        """(a uint8 host tensor, the byte offset in it of each run of layer
+        ``il``'s uncached experts): the host buffer, or with memory-mapped
+        experts the runs packed into pack buffer ``g % depth`` (once the
+        copy out of it, ``depth`` layers before, is done)."""
+        host, eb = self.eng.cache.host, self.eng.cache.layouts[il].expert_bytes
+        if not host.mapped:
+            return host.tensor, [host.offsets[il] + e0 * eb for e0, _ in runs]
+        if self._packs is None:
+            self._packs = [PackBuffer(pin=self.eng.cuda) for _ in range(self.depth)]
+        if self.eng.cuda and g >= self.depth:
+            copy_ev[g - self.depth].synchronize()
+        ids = [e for e0, n in runs for e in range(e0, e0 + n)]
+        flat = self._packs[g % self.depth].take(len(ids) * eb)
+        host.gather(il, ids, flat.reshape(len(ids), eb))
+        starts, o = [], 0
+        for _, n in runs:
+            starts.append(o)
+            o += n * eb
+        return torch.from_numpy(flat), starts
 
     def _moe(self, m, il: int, j: int, xn: Tensor, buf: "_Buffers", stg: Staging, ops) -> None:
         a = self.eng.net.args

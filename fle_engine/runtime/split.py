@@ -181,7 +181,9 @@ class CpuExperts:
     :func:`~fle_engine.kernels.cpu_experts.preferred`: FLE's numba kernels
     where their AVX-512 row kernels cover the file's expert types, else
     ggml's dot products where llama-cpp-python's library is present; or the
-    table's plain reference), reading the host expert buffer in place."""
+    table's plain reference), reading the host expert buffer in place; with
+    the experts memory-mapped in the file (``host.mapped``) each call first
+    gathers its distinct experts into a scratch buffer (:meth:`_experts`)."""
 
     def __init__(self, host, layouts, impl: str = "auto"):
         from ..kernels import cpu_experts as ce
@@ -193,7 +195,9 @@ class CpuExperts:
             ce.pick(lay.gu_type, impl)
             ce.pick(lay.down_type, impl)
         self.impl = self.name = impl
-        self._views = {il: host.view(il).numpy() for il in layouts}
+        self.mapped = bool(host.mapped)
+        self._views = {} if self.mapped else {il: host.view(il).numpy() for il in layouts}
+        self._scratch: dict[int, np.ndarray] = {}       # expert bytes -> packed rows (mapped experts)
         # the backend's forward called directly: the worker's arguments are the engine's own buffers, checked
         # once here rather than on every call
         self._forward = {il: ce.pick(lay.gu_type, impl).forward for il, lay in layouts.items()}
@@ -210,7 +214,8 @@ class CpuExperts:
         ids = np.ascontiguousarray(experts, np.int64).reshape(1, -1)
         if ids.size == 0:
             return
-        self._forward[il](self._views[il], lay, np.ascontiguousarray(x, np.float32).reshape(1, -1), ids,
+        rows, ids = self._experts(il, ids)
+        self._forward[il](rows, lay, np.ascontiguousarray(x, np.float32).reshape(1, -1), ids,
                           np.ascontiguousarray(weights, np.float32).reshape(1, -1), tmp, self._ce.CHUNK)
         out += tmp[0]
 
@@ -223,9 +228,27 @@ class CpuExperts:
         out[:] = 0.0
         if not (ids >= 0).any():
             return
-        self._forward[il](self._views[il], lay, np.ascontiguousarray(x, np.float32),
-                          np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(weights, np.float32), out,
-                          self._ce.CHUNK)
+        rows, ids = self._experts(il, np.ascontiguousarray(ids, np.int64))
+        self._forward[il](rows, lay, np.ascontiguousarray(x, np.float32), ids,
+                          np.ascontiguousarray(weights, np.float32), out, self._ce.CHUNK)
+
+    def _experts(self, il: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(packed experts, ``ids`` into them): layer ``il``'s host buffer
+        and the ids as they are; or, memory-mapped, the distinct ids
+        gathered into scratch rows in increasing order and the ids remapped
+        to those rows (the order of the ids is kept, so the sums are the
+        same)."""
+        if not self.mapped:
+            return self._views[il], ids
+        here = ids >= 0
+        uniq, inv = np.unique(ids[here], return_inverse=True)
+        eb = self.layouts[il].expert_bytes
+        buf = self._scratch.get(eb)
+        if buf is None or buf.shape[0] < len(uniq):
+            buf = self._scratch[eb] = np.empty((max(len(uniq), 8), eb), np.uint8)
+        local = np.full(ids.shape, -1, np.int64)
+        local[here] = inv.reshape(-1)
+        return self.host.gather(il, uniq, buf), local
 
 
 def cpu_experts(host, layouts, impl: str = "auto"):
@@ -284,7 +307,8 @@ class MissSplit(PageLocked):
         self.trace = None       # a list: (layer, rows, the CPU's experts) of every process() (tests)
         self._thread = self.team = None
         if cuda:
-            if cpu.impl in ("ggml", "numba"):
+            # the team reads the host buffer by its address: memory-mapped experts go through the worker thread
+            if cpu.impl in ("ggml", "numba") and not cpu.mapped:
                 host = cpu.host
                 self.team = Team(host.buf, [host.offsets[il] for il in self.layers],
                                  [cpu.layouts[il] for il in self.layers], cpu.impl, self.threads, self.flags,

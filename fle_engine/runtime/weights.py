@@ -2,12 +2,15 @@
 the device (multiplied by the quantized kernels, never dequantized), small
 vectors in float32, and the routed experts of every layer in one host
 buffer, read once from the file and page-locked so that the GPU reads
-missed experts from it directly.
+missed experts from it directly (:class:`HostExperts`), or, when the
+machine cannot hold or lock that buffer, left memory-mapped in the file
+and packed on demand (:class:`MappedExperts`; :func:`open_host_experts`
+decides).
 
 Host layout: layer l's region holds ``E`` experts of ``expert_bytes[l]``
 bytes each; an expert is its gate rows, then its up rows (one block, so one
-kernel multiplies both), then, at the next 16-byte boundary, its down rows.
-Regions start on 4 KiB boundaries.
+kernel multiplies both), then, at the next 16-byte boundary, its down rows
+(the padding bytes are zero). Regions start on 4 KiB boundaries.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from fle_quant.ggml_types import BLOCK_GEOMETRY, GGMLType
 from ..kernels import engine_ops
 from ..kernels.cpu_experts import Geometry
 
-__all__ = ["DenseMatrix", "ExpertLayout", "HostExperts", "dense", "vector", "FAST_TYPES"]
+__all__ = ["DenseMatrix", "ExpertLayout", "HostExperts", "MappedExperts", "PackBuffer", "open_host_experts",
+           "pack_experts", "available_memory", "HOST_MODES", "dense", "vector", "FAST_TYPES"]
 
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 FAST_TYPES = tuple(engine_ops.WORDS)
@@ -238,12 +242,34 @@ class PageLocked:
             pass
 
 
+def pack_experts(lay: ExpertLayout, sources: list, sel, out: np.ndarray) -> np.ndarray:
+    """Experts ``sel`` (a slice or int indices) of one layer packed from the
+    file views ``sources`` ([gate, up, down] or [gate_up, down]) into
+    ``out`` uint8 [n, expert_bytes] in the host layout; returns ``out``.
+    Only the selected experts' bytes of the file are read."""
+    half = lay.n_ff * lay.gu_row_bytes
+    gu_end = 2 * half
+    down_end = lay.down_offset + lay.n_embd * lay.down_row_bytes
+    *gu_parts, down = sources
+    o = 0
+    for src in gu_parts:                    # one fused gate_up block, or gate then up
+        w = src.reshape(src.shape[0], -1)
+        out[:, o:o + w.shape[1]] = w[sel]
+        o += w.shape[1]
+    out[:, gu_end:lay.down_offset] = 0
+    out[:, lay.down_offset:down_end] = down.reshape(down.shape[0], -1)[sel]
+    out[:, down_end:] = 0
+    return out
+
+
 class HostExperts(PageLocked):
     """Every layer's routed experts in one host buffer (page-locked on CUDA).
 
     ``view(l)``: uint8 [E, expert_bytes[l]] of layer l; ``address(l)``: its
     address (the GPU reads it at the same address when the buffer is
     page-locked)."""
+
+    mapped = False
 
     def __init__(self, layouts: dict[int, ExpertLayout], n_expert: int, pin: bool):
         self.layouts, self.n_expert = layouts, n_expert
@@ -269,19 +295,157 @@ class HostExperts(PageLocked):
     def address(self, il: int) -> int:
         return self.buf.ctypes.data + self.offsets[il]
 
+    @property
+    def mode(self) -> str:
+        return "pinned" if self.pinned else "process"
+
+    def rows(self, il: int) -> Tensor:
+        """Layer ``il``'s experts indexable by expert id (a packed expert each)."""
+        return self.view(il)
+
+    def expert(self, il: int, e: int, out: "np.ndarray | None" = None) -> np.ndarray:
+        """uint8 [expert_bytes]: expert ``e`` of layer ``il`` (a view; copied into ``out`` when given)."""
+        row = self.view(il)[int(e)].numpy()
+        if out is None:
+            return row
+        out[...] = row
+        return out
+
+    def gather(self, il: int, ids, out: np.ndarray) -> np.ndarray:
+        """Experts ``ids`` of layer ``il`` packed into ``out[:n]`` ([n, expert_bytes])."""
+        ids = np.asarray(ids, np.int64)
+        return np.take(self.view(il).numpy(), ids, axis=0, out=out[:len(ids)])
+
     def fill(self, il: int, sources: list) -> None:
         """Copy layer ``il``'s experts from the file views into the buffer."""
-        lay = self.layouts[il]
-        dst = self.buf[self.offsets[il]:self.offsets[il] + self.n_expert * lay.expert_bytes].reshape(
-            self.n_expert, lay.expert_bytes)
-        e = self.n_expert
-        if len(sources) == 2:
-            gu, down = sources
-            dst[:, :2 * lay.n_ff * lay.gu_row_bytes] = gu.reshape(e, -1)
-        else:
-            gate, up, down = sources
-            half = lay.n_ff * lay.gu_row_bytes
-            dst[:, :half] = gate.reshape(e, -1)
-            dst[:, half:2 * half] = up.reshape(e, -1)
-        dst[:, lay.down_offset:lay.down_offset + lay.n_embd * lay.down_row_bytes] = down.reshape(e, -1)
+        pack_experts(self.layouts[il], sources, slice(None), self.view(il).numpy())
 
+
+class _MappedRows:
+    """One layer of :class:`MappedExperts` indexable by expert id, as the
+    reference operations and the slot copies index a layer of the host
+    buffer: ``rows[e]`` is expert e packed (uint8 [expert_bytes], a fresh
+    array)."""
+
+    def __init__(self, store: "MappedExperts", il: int):
+        self.store, self.il = store, il
+
+    def __getitem__(self, e) -> Tensor:
+        return torch.from_numpy(self.store.expert(self.il, int(e)))
+
+
+class MappedExperts:
+    """Every layer's routed experts left in the memory-mapped file: no copy
+    is held (the OS page cache keeps what was read). The interface of
+    :class:`HostExperts` for what can be asked of pageable memory:
+    ``expert``, ``gather`` and ``rows`` pack experts on demand; there is
+    no address for the GPU (every miss is computed on the CPU)."""
+
+    mapped = True
+    pinned = False
+    mode = "mapped"
+
+    def __init__(self, layouts: dict[int, ExpertLayout], n_expert: int, sources: dict[int, list], path=None):
+        self.layouts, self.n_expert, self.path = layouts, n_expert, path
+        self.sources = {il: sources[il] for il in layouts}
+        self.nbytes = sum(n_expert * lay.expert_bytes for lay in layouts.values())
+
+    def rows(self, il: int) -> _MappedRows:
+        return _MappedRows(self, il)
+
+    def expert(self, il: int, e: int, out: "np.ndarray | None" = None) -> np.ndarray:
+        lay = self.layouts[il]
+        dst = np.empty(lay.expert_bytes, np.uint8) if out is None else out
+        pack_experts(lay, self.sources[il], slice(int(e), int(e) + 1), dst.reshape(1, -1))
+        return dst
+
+    def gather(self, il: int, ids, out: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, np.int64)
+        return pack_experts(self.layouts[il], self.sources[il], ids, out[:len(ids)])
+
+    def address(self, il: int) -> int:
+        raise AssertionError("internal: memory-mapped experts have no address for the GPU; every miss must go to "
+                             "the CPU")
+
+    def close(self) -> None:
+        pass
+
+
+class PackBuffer(PageLocked):
+    """Host memory that memory-mapped experts are packed into before a copy
+    to the device: page-locked when ``pin`` (so the copy runs
+    asynchronously), grown on demand. Its user waits for the last copy
+    out of it before packing again."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.buf = np.empty(0, np.uint8)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """uint8 [nbytes] of the buffer (its earlier contents are given up)."""
+        if nbytes > self.buf.nbytes:
+            self.close()
+            self.buf = np.empty(_align(nbytes, 1 << 20), np.uint8)
+            if self.pin:
+                self.lock("packing memory-mapped experts", "or give the machine more free RAM")
+        return self.buf[:nbytes]
+
+
+HOST_MODES = ("auto", "pinned", "mapped")
+MARGIN = 4 << 30            # RAM left to the rest of the process and the OS when "auto" takes the host buffer
+
+
+def available_memory() -> "int | None":
+    """Bytes of RAM available to a new allocation (psutil where installed,
+    else MemAvailable of /proc/meminfo); None when neither says."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _mapped_line(need: int, why: str) -> str:
+    return (f"fle-engine: the routed experts take {need / 2**30:.1f} GiB and {why}: they stay memory-mapped in "
+            f"the file (misses computed on the CPU; --host-experts pinned to insist)")
+
+
+def open_host_experts(layouts: dict[int, ExpertLayout], n_expert: int, sources: dict[int, list], mode: str,
+                      pin: bool, log=print, path=None) -> "HostExperts | MappedExperts":
+    """The engine's store of the routed experts for ``--host-experts``
+    ``mode``: "pinned", the host buffer (page-locked when ``pin``) or a
+    FleError naming the amount; "mapped", :class:`MappedExperts`; "auto",
+    the host buffer when it fits the available RAM less :data:`MARGIN`
+    and can be allocated (and locked), else memory-mapped, said in one
+    line. The host buffer comes back empty (fill it)."""
+    if mode not in HOST_MODES:
+        raise FleError(f"--host-experts {mode!r}: auto, pinned or mapped")
+    if mode == "mapped":
+        return MappedExperts(layouts, n_expert, sources, path)
+    need = sum(n_expert * lay.expert_bytes for lay in layouts.values())
+    avail = available_memory()
+    if avail is not None and need > avail - (MARGIN if mode == "auto" else 0):
+        if mode == "pinned":
+            raise FleError(f"the routed experts take {need / 2**30:.1f} GiB of host memory and "
+                           f"{avail / 2**30:.1f} GiB of RAM is available; use --host-experts mapped (or auto), a "
+                           f"smaller file or a machine with more RAM")
+        log(_mapped_line(need, f"{avail / 2**30:.1f} GiB of RAM is available"))
+        return MappedExperts(layouts, n_expert, sources, path)
+    try:
+        return HostExperts(layouts, n_expert, pin)
+    except FleError as e:
+        if mode == "pinned":
+            raise
+        why = str(e)
+    # the failed buffer is gone with the exception: the file's pages are what is read from now on
+    log(_mapped_line(need, f"the host buffer failed ({why.split(';')[0]})"))
+    return MappedExperts(layouts, n_expert, sources, path)
