@@ -199,10 +199,10 @@ def host_buffer(nbytes: int, huge: bool = False) -> np.ndarray:
 
 
 def huge_pages() -> bool:
-    """FLE_HOST_HUGEPAGES=1: the routed experts' host buffer asks for huge pages (:func:`host_buffer`)."""
+    """The routed experts' host buffer asks for huge pages (:func:`host_buffer`) unless FLE_HOST_HUGEPAGES=0."""
     import os
 
-    return os.environ.get("FLE_HOST_HUGEPAGES", "0") == "1"
+    return os.environ.get("FLE_HOST_HUGEPAGES", "1") != "0"
 
 
 def pin_host(buf: np.ndarray, what: str, why: str) -> None:
@@ -280,7 +280,7 @@ class HostExperts(PageLocked):
         self.nbytes = off
         try:
             self.buf = host_buffer(max(off, 1), huge=pin and huge_pages())
-        except MemoryError:
+        except (MemoryError, OSError):
             raise FleError(f"the routed experts take {off / 2**30:.1f} GiB of host memory and this machine "
                            f"cannot allocate that; use a smaller file or a machine with more RAM") from None
         self.tensor = torch.from_numpy(self.buf)
