@@ -188,8 +188,11 @@ def miss_count_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16, counts
     qt = GGMLType.IQ4_XS
     lay = ExpertLayout(n_ff, n_embd, qt, n_embd // 256 * 136, qt, n_ff // 256 * 136)
     eb = lay.expert_bytes
+    from fle_engine.runtime.weights import host_buffer, huge_pages
+
     rng = np.random.default_rng(0)
-    host_np = rng.integers(0, 256, size=(n_expert, eb), dtype=np.uint8)
+    host_np = host_buffer(n_expert * eb, huge=huge_pages()).reshape(n_expert, eb)    # as the engine's buffer
+    host_np[:] = rng.integers(0, 256, size=(n_expert, eb), dtype=np.uint8)
     host_np.view(np.uint16)[:, ::68] = 0x1400            # small scales: finite sums
     err = torch.cuda.cudart().cudaHostRegister(host_np.ctypes.data, host_np.nbytes, 3)
     assert int(getattr(err, "value", err)) == 0, err
@@ -251,6 +254,32 @@ def miss_count_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16, counts
                 tr = _time_graph(rd) / groups
                 row["read_only_us"] = tr * 1e6
                 row["read_only_GBps"] = T * m * eb / tr / 1e9
+            out.append(row)
+            print(row, flush=True)
+    # one missed expert read alone by program shapes: (words per load, loads per program, warps), in one launch
+    # for the whole expert or in two (gate+up, then down) as the expert launches read it
+    ew = eb // 4
+    gu_words = lay.down_offset // 4
+    acc = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for block, steps, warps in ((1024, 4, 4), (1024, 1, 4), (256, 1, 1), (256, 4, 1), (4096, 1, 8), (512, 2, 2),
+                                (2048, 2, 4)):
+        for parts in (1, 2):
+            bases = [torch.tensor([int(rng.integers(n_expert)) * ew], device="cuda") for _ in range(groups)]
+
+            def rd():
+                for g in range(groups):
+                    if parts == 1:
+                        _read[(triton.cdiv(ew, block * steps), 1)](_Host(), bases[g], acc, ew, BLOCK=block,
+                                                                     STEPS=steps, num_warps=warps)
+                    else:
+                        _read[(triton.cdiv(gu_words, block * steps), 1)](_Host(), bases[g], acc, gu_words,
+                                                                           BLOCK=block, STEPS=steps, num_warps=warps)
+                        _read[(triton.cdiv(ew - gu_words, block * steps), 1)](_Host(), bases[g] + gu_words, acc,
+                                                                                ew - gu_words, BLOCK=block,
+                                                                                STEPS=steps, num_warps=warps)
+            tr = _time_graph(rd) / groups
+            row = {"read_one_expert": [block, steps, warps], "launches": parts, "us": tr * 1e6,
+                   "GBps": eb / tr / 1e9}
             out.append(row)
             print(row, flush=True)
     torch.cuda.cudart().cudaHostUnregister(host_np.ctypes.data)
@@ -328,9 +357,12 @@ def main(argv=None) -> int:
     print(res["ceilings"], flush=True)
     if args.misses:
         res["misses"] = miss_count_bench()
-        base = {r["T"]: r["us"] for r in res["misses"] if r["missed_per_token"] == 0}
+        base = {r["T"]: r["us"] for r in res["misses"] if r.get("missed_per_token") == 0}
         for r in res["misses"]:
-            if r["missed"]:
+            if "read_one_expert" in r:
+                print(f"one missed expert read alone, {r['read_one_expert']} (words per load, loads, warps), "
+                      f"{r['launches']} launch(es): {r['us']:.1f} us ({r['GBps']:.1f} GB/s)")
+            elif r["missed"]:
                 extra = r["us"] - base[r["T"]]
                 print(f"T = {r['T']}, {r['missed']} missed experts in the layer: {r['us']:.1f} us, "
                       f"{extra / r['missed']:.1f} us more per missed expert than none missed; reading them alone "
