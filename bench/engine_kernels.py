@@ -122,25 +122,39 @@ def expert_bench(configs, n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -
     return out
 
 
+_READ = []
+
+
+def _read_kernel():
+    """A kernel that only reads: program (i, e) sums words [i * BLOCK * STEPS, +BLOCK * STEPS) of the
+    ``n_words`` from ``base_ptr[e]`` into ``out_ptr[e]`` (built on first use)."""
+    if not _READ:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _read(w_ptr, base_ptr, out_ptr, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+            e = tl.program_id(1)
+            base = tl.load(base_ptr + e)
+            offs = tl.program_id(0) * (BLOCK * STEPS) + tl.arange(0, BLOCK)
+            acc = tl.zeros([BLOCK], dtype=tl.int32)
+            for i in range(STEPS):
+                o = offs + i * BLOCK
+                acc += tl.load(w_ptr + base + o, mask=o < n_words, other=0)
+            tl.atomic_add(out_ptr + e, tl.sum(acc, axis=0))
+
+        _READ.append(_read)
+    return _READ[0]
+
+
 def read_ceiling(n_expert=128, expert_bytes=2_506_752, k=8, groups=16) -> dict:
     """What a kernel that only reads the bytes reaches at this size: per layer, the gate+up
     part (2/3) and then the down part (1/3) of 8 experts, summed by 1024-word programs, in
     two launches, 16 layers per timed graph."""
     import torch
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def _read(w_ptr, base_ptr, out_ptr, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
-        e = tl.program_id(1)
-        base = tl.load(base_ptr + e)
-        offs = tl.program_id(0) * (BLOCK * STEPS) + tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], dtype=tl.int32)
-        for i in range(STEPS):
-            o = offs + i * BLOCK
-            acc += tl.load(w_ptr + base + o, mask=o < n_words, other=0)
-        tl.atomic_add(out_ptr + e, tl.sum(acc, axis=0))
-
+    _read = _read_kernel()
     words = torch.randint(0, 1 << 30, (n_expert * expert_bytes // 4,), dtype=torch.int32, device="cuda")
     ew = expert_bytes // 4
     gu_words, dn_words = ew * 2 // 3, ew - ew * 2 // 3
@@ -168,23 +182,12 @@ def miss_count_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16, counts
     the cost a missed expert adds to a layer, against what reading it alone costs."""
     import torch
     import triton
-    import triton.language as tl
 
     from fle_engine.kernels import triton_engine as te
     from fle_engine.runtime.weights import ExpertLayout
     from fle_quant.ggml_types import GGMLType
 
-    @triton.jit
-    def _read(w_ptr, base_ptr, out_ptr, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
-        e = tl.program_id(1)
-        base = tl.load(base_ptr + e)
-        offs = tl.program_id(0) * (BLOCK * STEPS) + tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], dtype=tl.int32)
-        for i in range(STEPS):
-            o = offs + i * BLOCK
-            acc += tl.load(w_ptr + base + o, mask=o < n_words, other=0)
-        tl.atomic_add(out_ptr + e, tl.sum(acc, axis=0))
-
+    _read = _read_kernel()
     qt = GGMLType.IQ4_XS
     lay = ExpertLayout(n_ff, n_embd, qt, n_embd // 256 * 136, qt, n_ff // 256 * 136)
     eb = lay.expert_bytes

@@ -97,6 +97,7 @@ class _Registered:
 
 
 def _best(fn, reps=10) -> float:
+    """The shortest of ``reps`` timed calls of ``fn``, after one untimed call."""
     best = float("inf")
     fn()
     for _ in range(reps):
@@ -153,20 +154,10 @@ def main() -> None:
     torch.cuda.synchronize()
     ok = torch.allclose(out.sum().cpu(), host.sum(), rtol=1e-3)
 
-    def timed(fn, reps=5):
-        best = float("inf")
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
     gb = n * 4 / 1e9
-    t_zero = timed(lambda: read_all(view, n, out, block, iters))
-    t_copy = timed(lambda: dev.copy_(host, non_blocking=True))
-    t_dev = timed(lambda: read_all(dev, n, out, block, iters))
+    t_zero = _best(lambda: read_all(view, n, out, block, iters), reps=5)
+    t_copy = _best(lambda: dev.copy_(host, non_blocking=True), reps=5)
+    t_dev = _best(lambda: read_all(dev, n, out, block, iters), reps=5)
     print(f"{args.mib} MiB, pinned host memory; sums agree: {ok}")
     print(f"zero-copy kernel read   {gb / t_zero:7.1f} GB/s")
     print(f"host->device copy       {gb / t_copy:7.1f} GB/s   (baseline)")
@@ -174,7 +165,7 @@ def main() -> None:
     print(f"ratio zero-copy / copy  {t_copy / t_zero:7.2f}")
     # one expert-sized read (2.5 MB), the latency that matters for a miss
     small = 2_500_000 // 4
-    t_small = timed(lambda: read_all(view, small, out, block, iters), reps=20)
+    t_small = _best(lambda: read_all(view, small, out, block, iters), reps=20)
     print(f"one 2.5 MB zero-copy read: {t_small * 1e6:.0f} us ({small * 4 / 1e9 / t_small:.1f} GB/s)")
 
 
