@@ -20,6 +20,9 @@ same thing in the same order, so which one runs changes host time only:
 Copies take contiguous tensors (a slot row, a pinned buffer) and are
 asynchronous on the given stream; events are handles made by
 :meth:`event` and may be recorded again after a synchronize.
+
+:func:`capture_graph` is how every captured step is made (the decode step,
+the T-token step, the lanes' steps, the MTP step drafter's calls).
 """
 from __future__ import annotations
 
@@ -160,3 +163,22 @@ def pick(device: torch.device):
         return Direct(path)
     except (OSError, AttributeError):
         return Torch()
+
+
+def capture_graph(device: torch.device, pool, run, reset=None) -> "torch.cuda.CUDAGraph":
+    """``run()`` captured as one CUDA graph in memory ``pool`` (None: a new
+    one; the graph's is ``g.pool()``): first run twice eagerly on a side
+    stream, which compiles every kernel, with ``reset()`` after each (put
+    back what a run advances: positions, recurrent states), then captured."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+            if reset is not None:
+                reset()
+    torch.cuda.current_stream(device).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        run()
+    return g

@@ -52,6 +52,8 @@ from ..layers import rope_table
 from ..loader import Weights
 from . import qwen3moe, qwen3next, qwen4exp
 from .cache import ExpertCache
+from .cudacalls import capture_graph
+from .mtp import VERIFY_MAX
 from .prefill import Prefill, prefill_bytes
 from .split import SHARE_ONE, MissSplit, cpu_experts, parse_split, split_bytes
 from .split import cpu_threads as split_threads
@@ -68,7 +70,6 @@ PROFILE_EVERY_S = 600.0
 # ~0.2 s over PCIe 5), which decode steps beat below a few dozen tokens
 PREFILL_MIN = 32
 _RING = 8
-VERIFY_MAX = 4          # tokens of the largest verify step (1 + 3 drafts)
 
 _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000 ** 2, "MB": 1000 ** 2, "G": 1000 ** 3, "GB": 1000 ** 3,
           "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40, "T": 1000 ** 4, "TB": 1000 ** 4}
@@ -181,25 +182,6 @@ class LaneSnapshot:
     def from_dict(cls, d: dict) -> "LaneSnapshot":
         last = d.get("last_tok")
         return cls([int(t) for t in d["tokens"]], list(d["parts"]), None if last is None else int(last))
-
-
-def capture_graph(device: torch.device, pool, run, reset=None) -> "torch.cuda.CUDAGraph":
-    """``run()`` captured as one CUDA graph in memory ``pool`` (None: a new
-    one; the graph's is ``g.pool()``): first run twice eagerly on a side
-    stream, which compiles every kernel, with ``reset()`` after each (put
-    back what a run advances: positions, recurrent states), then captured."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            run()
-            if reset is not None:
-                reset()
-    torch.cuda.current_stream(device).wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
-        run()
-    return g
 
 
 class Engine:

@@ -72,6 +72,9 @@ from fle_quant.ggml_types import GGMLType
 from ..kernels import engine_ops
 from ..mtp import MTPState, draft, open_head_file
 from . import weights as W
+from .cudacalls import capture_graph
+
+VERIFY_MAX = 4          # tokens of the largest verify step (1 + 3 drafts)
 
 __all__ = ["Head", "Drafter", "StepDrafter", "load_head", "load_step_head", "generate", "HEADS"]
 
@@ -303,7 +306,6 @@ class StepDrafter:
 
     def __init__(self, net, blk, store, ops, rope_cos: Tensor, rope_sin: Tensor, max_tokens: int, k_dtype,
                  v_dtype, graphs: bool):
-        from .engine import VERIFY_MAX
 
         self.net, self.blk, self.store, self.ops = net, blk, store, ops
         self.device = rope_cos.device
@@ -379,7 +381,6 @@ class StepDrafter:
         key = (n, None if vocab is None else id(vocab))
         g = self._graph_of.get(key)
         if g is None:
-            from .engine import capture_graph
 
             # the eager runs write the K/V the call itself writes; the position is put back after each
             g = capture_graph(self.device, self._pool, lambda: self._step(n, out, ids, logits),
@@ -537,7 +538,6 @@ def generate(eng, prompt: Sequence[int], n_predict: int, stop: Iterable[int] = (
     queued for the head), so between two steps the engine holds exactly
     the tokens yielded so far, the last one not yet run."""
     from ..speculative import AdaptiveDraft, SpecStats
-    from .engine import VERIFY_MAX
 
     drafter = getattr(eng, "drafter", None)
     if drafter is None:
