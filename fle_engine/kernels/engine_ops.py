@@ -203,6 +203,32 @@ def lane_of(cache, i: int):
 
 
 # ---------------------------------------------------------------------------
+# the CPU's share of the misses (runtime.split runs it; the Triton kernels' _union_n_cpu follows the same rule)
+
+SHARE_ONE = 256         # a share of 256 is every miss
+
+
+def cpu_count(n_miss, share):
+    """The rule: how many of a token's ``n_miss`` misses the CPU computes."""
+    return (n_miss * share + 128) // SHARE_ONE
+
+
+def union_cpu(ids, miss, share):
+    """The rule for the R = T x K rows of a step (row-major ``ids`` [R],
+    ``miss`` bool [R]): (the distinct missed experts in order of the first
+    row routed to each, the CPU's experts: the last ``cpu_count(n, share)``
+    of them). T = 1: a token's misses, the CPU's the last in routing order."""
+    seen, order = set(), []
+    for e, m in zip((int(v) for v in ids), (bool(v) for v in miss)):
+        if e not in seen:
+            seen.add(e)
+            if m:
+                order.append(e)
+    n_cpu = cpu_count(len(order), share) if share else 0
+    return order, order[len(order) - n_cpu:] if n_cpu else []
+
+
+# ---------------------------------------------------------------------------
 # references
 
 
@@ -210,8 +236,6 @@ def experts_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part_words
                 n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
                 gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
                 cpu_share: int = 0, x_miss: "Tensor | None" = None, _on_cpu: "set | None" = None) -> Tensor:
-    from ..runtime.split import cpu_count
-
     word = store.word
     start = part_words * word
     n_rows = 2 * n_out if gate_up else n_out
@@ -266,10 +290,8 @@ def round_acts_ref(x: Tensor, dot_k: bool, out: Tensor, ids: "Tensor | None" = N
 
 def union_rows_on_cpu(ids: Tensor, slot_of: Tensor, cpu_share: int) -> set:
     """The rows of a T-row step whose expert the CPU computes (runtime.split's
-    :func:`~fle_engine.runtime.split.union_cpu`): every row routed to one of
+    :func:`union_cpu`): every row routed to one of
     the CPU's distinct missed experts."""
-    from ..runtime.split import union_cpu
-
     if not cpu_share:
         return set()
     ids_h = ids.view(-1).cpu().tolist()
@@ -293,8 +315,6 @@ def experts_union_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part
 
 def _cpu_share_of(split, ids: Tensor, slot_of: Tensor):
     """(miss flags of the T x K rows, the CPU's expert count) by the union rule (T = 1: the token's rule)."""
-    from ..runtime.split import union_cpu
-
     ids_h = ids.view(-1).cpu()
     miss = slot_of.cpu()[ids_h] < 0
     _, mine = union_cpu(ids_h.tolist(), miss.tolist(), split.share)

@@ -54,32 +54,11 @@ from numba import njit
 from fle_quant.errors import FleError
 
 from ..kernels.cpu_experts.team import Team, load_acquire as _load_acquire, store_release as _store_release
+# the rule of the CPU's share lives with the kernels that follow it (engine_ops; the Triton kernels' _union_n_cpu)
+from ..kernels.engine_ops import SHARE_ONE, cpu_count, union_cpu
 from .weights import PageLocked
 
 __all__ = ["SHARE_ONE", "cpu_count", "union_cpu", "split_bytes", "parse_split", "MissSplit", "CpuExperts", "cpu_experts"]
-
-SHARE_ONE = 256
-
-
-def cpu_count(n_miss, share):
-    """The rule: how many of a token's ``n_miss`` misses the CPU computes."""
-    return (n_miss * share + 128) // SHARE_ONE
-
-
-def union_cpu(ids, miss, share):
-    """The rule for the R = T x K rows of a step (row-major ``ids`` [R],
-    ``miss`` bool [R]): (the distinct missed experts in order of the first
-    row routed to each, the CPU's experts: the last ``cpu_count(n, share)``
-    of them). T = 1: a token's misses, the CPU's the last in routing order."""
-    seen, order = set(), []
-    for e, m in zip((int(v) for v in ids), (bool(v) for v in miss)):
-        if e not in seen:
-            seen.add(e)
-            if m:
-                order.append(e)
-    n_cpu = cpu_count(len(order), share) if share else 0
-    return order, order[len(order) - n_cpu:] if n_cpu else []
-
 
 def split_bytes(ids, hits, expert_bytes, n_used: int, share: int) -> dict:
     """Bytes of missed experts that a T-row step reads, from its routing log
