@@ -219,13 +219,13 @@ def shape_overrides(o: dict) -> dict:
 
 
 def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: int = 0,
-               miss_split: str = "gpu", prefetch: int = 0) -> dict:
+               miss_split: str = "gpu", prefetch: int = 0, host_experts: str = "auto") -> dict:
     import torch
 
     from fle_engine.runtime import Engine
 
     eng = Engine(model, device="cuda", cache_budget=budget, ctx_size=max(512, n_gen + 8), profile_path="none",
-                 progress=False, miss_split=miss_split, miss_prefetch=prefetch)
+                 progress=False, miss_split=miss_split, miss_prefetch=prefetch, host_experts=host_experts)
     rng = np.random.default_rng(seed)
     n_vocab = eng.args.n_vocab
     first = int(rng.integers(n_vocab))
@@ -451,6 +451,9 @@ def main(argv=None) -> int:
                         "ahead; 0: off), comma list, each with every --miss-split")
     p.add_argument("--miss-split", default="gpu",
                    help="FLE runs with these --miss-split settings (gpu, cpu, auto, a fraction), comma list")
+    p.add_argument("--mapped", action="store_true", dest="host_experts_mapped",
+                   help="also an FLE run with the experts memory-mapped in the file (--host-experts mapped: every "
+                        "miss on the CPU)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--link-gbps", type=float, default=25.0,
                    help="also print the modelled decode speed on a PCIe link of this speed (GB/s; default 25, a "
@@ -533,10 +536,13 @@ def main(argv=None) -> int:
                           f"upstream {r['upstream_tok_s']:.0f} (-ub {r['upstream_ubatch']}) = {r['ratio']:.2f}",
                           flush=True)
         row["fle_split"] = {}
-        runs = [(split, int(pf)) for split in args.miss_split.split(",") for pf in args.miss_prefetch.split(",")]
-        for split, pf in ([] if args.no_decode else runs):
-            key = split if not pf else f"{split}+prefetch{pf}"
-            f = row["fle_split"][key] = fle_decode(path, budget, args.n_gen, args.reps, miss_split=split, prefetch=pf)
+        runs = [(split, int(pf), "auto") for split in args.miss_split.split(",") for pf in args.miss_prefetch.split(",")]
+        if args.host_experts_mapped:
+            runs.append(("cpu", 0, "mapped"))         # every miss on the CPU, from the file's pages
+        for split, pf, host in ([] if args.no_decode else runs):
+            key = "mapped" if host == "mapped" else split if not pf else f"{split}+prefetch{pf}"
+            f = row["fle_split"][key] = fle_decode(path, budget, args.n_gen, args.reps, miss_split=split, prefetch=pf,
+                                                   host_experts=host)
             if f["prefetch"] is not None:
                 q = f["prefetch"]
                 print(f"[{routing}] prefetch {pf}/layer: {q['copied_per_step']:.1f} experts/token copied ahead, "

@@ -11,7 +11,10 @@
 #   prefill  FLE prefill against upstream's best micro-batch at 4k and 8k tokens, 30B-A3B shape, 1/3 of the
 #            expert bytes on the GPU, calibrated routing (bench/engine.py --prefill); waits for the build
 #   decode   FLE decode against upstream at the same GPU bytes, near-uniform and calibrated routing, misses
-#            on the GPU and split with the CPU
+#            on the GPU, split with the CPU, and with the experts memory-mapped (all on the CPU); everything on
+#            the GPU for both (the first routing's file)
+#   misses   the cost of a missed expert in a layer's launches against a kernel that only reads it
+#            (bench/engine_kernels.py --misses): this machine's zero-copy speed, which differs between machines
 # One stage's failure is logged and the next one runs; the exit status is the number of stages that failed.
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_suite.sh OUT LLAMA_SRC [STAGE ...]}
@@ -60,8 +63,9 @@ for s in $STAGES; do
                      --prefill 4096,8192 --no-decode --routing calibrated -r 2 --fle-ubatch 8192 \
                      --json "$OUT/prefill.json" ;;
         decode) wait_build && stage decode python3 bench/engine.py --llama-bench "$LLAMA_BENCH" -n 64 -r 2 \
-                    --routing uniform,calibrated --no-all-gpu --miss-split gpu,auto --json "$OUT/decode.json" ;;
-        *) echo "unknown stage $s (tests, slots, prefill, decode)"; failed=$((failed + 1)) ;;
+                    --routing uniform,calibrated --miss-split gpu,auto --mapped --json "$OUT/decode.json" ;;
+        misses) stage misses python3 bench/engine_kernels.py --misses --json "$OUT/misses.json" ;;
+        *) echo "unknown stage $s (tests, slots, prefill, decode, misses)"; failed=$((failed + 1)) ;;
     esac
 done
 exit $failed
