@@ -42,7 +42,7 @@ from .. import cached_moe
 from ..expert_cache import BatchedCache, CachePolicy, plan_slots
 from ..kernels import engine_ops
 from . import cudacalls
-from .weights import ExpertLayout, HostExperts, MappedExperts, PackBuffer, _align
+from .weights import ExpertLayout, HostExperts, MappedExperts, PackBuffer, _align, pack_experts
 
 __all__ = ["ExpertCache", "CacheStats"]
 
@@ -357,10 +357,9 @@ class ResidentExperts:
                  device: torch.device):
         self.layers = sorted(layouts)
         self.layouts, self.n_expert, self.device = layouts, n_expert, device
-        host = HostExperts(layouts, n_expert, pin=False)
-        for l in self.layers:
-            host.fill(l, sources[l])
-        self._slots = {l: host.view(l).to(device, copy=True) for l in self.layers}
+        self._slots = {l: torch.from_numpy(pack_experts(layouts[l], sources[l], slice(None),
+                                                        np.empty((n_expert, layouts[l].expert_bytes), np.uint8)))
+                       .to(device) for l in self.layers}
         self.map = torch.arange(n_expert, dtype=torch.int32, device=device).repeat(len(self.layers), 1)
         self.index = {l: i for i, l in enumerate(self.layers)}
         self.nbytes = sum(t.numel() for t in self._slots.values())

@@ -57,7 +57,7 @@ from .mtp import VERIFY_MAX
 from .prefill import Prefill, prefill_bytes
 from .split import SHARE_ONE, MissSplit, cpu_experts, parse_split, split_bytes
 from .split import cpu_threads as split_threads
-from .weights import HOST_MODES, open_host_experts
+from .weights import check_host_mode, open_host_experts
 
 __all__ = ["Engine", "LaneSnapshot", "RunStats", "ARCHS", "KV_TYPES", "VERIFY_MAX", "parse_budget"]
 
@@ -217,8 +217,7 @@ class Engine:
             raise FleError(f"--miss-prefetch {miss_prefetch}: 0 (off) to 16 experts per layer")
         if self.miss_prefetch and self.n_seq > 1:
             raise FleError(f"--miss-prefetch runs on one sequence: serve it with --parallel 1, not {self.n_seq}")
-        if host_experts not in HOST_MODES:
-            raise FleError(f"--host-experts {host_experts!r}: auto, pinned or mapped")
+        check_host_mode(host_experts)             # before the file is read
         if miss_activations not in ("float", "q8"):
             raise FleError(f"--miss-activations {miss_activations!r}: float or q8")
         self.cpu_impl = cpu_impl

@@ -19,6 +19,7 @@ misses computed on the CPU when they are split), qwen3moe's layers only.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -80,6 +81,16 @@ class Net:
         self.gguf = None
 
     # loading -----------------------------------------------------------------------
+    @contextmanager
+    def reading(self, gguf):
+        """The loaders (:meth:`dense`, :meth:`vec`, the layers') read ``gguf``
+        inside the block, e.g. an MTP head's file after the trunk's closed."""
+        saved, self.gguf = self.gguf, gguf
+        try:
+            yield
+        finally:
+            self.gguf = saved
+
     def dense(self, name: str, n_out: int, n_in: int, rows=None) -> W.DenseMatrix:
         return W.dense(self.gguf, name, self.device, n_out, n_in, fast_needed=self.fast, rows=rows)
 

@@ -257,8 +257,7 @@ class Net(qwen3moe.Net):
         a = self.args
         il, d = a.n_layer, a.n_embd
         p = f"blk.{il}."
-        saved, self.gguf = self.gguf, gguf
-        try:
+        with self.reading(gguf):
             layer = qwen3moe.Layer(self.vec(p + "attn_norm.weight", d), self.load_attention(il, gated=True),
                                    self.vec(p + "post_attention_norm.weight", d), self.load_moe(il, shared=True))
             sources = self.expert_sources.pop(il)
@@ -274,8 +273,6 @@ class Net(qwen3moe.Net):
                 else self.tok_embd,
                 output=self.dense(p + "nextn.shared_head_head.weight", a.n_vocab, d)
                 if own("nextn.shared_head_head.weight") else self.output)
-        finally:
-            self.gguf = saved
         return blk
 
     def alloc_mtp(self, hs, t_max: int) -> None:

@@ -700,8 +700,7 @@ class Net(qwen3next.Net):
         a = self.args
         il, s, d = a.n_layer, a.hc, a.n_embd
         p = f"blk.{il}."
-        saved, self.gguf = self.gguf, gguf
-        try:
+        with self.reading(gguf):
             layer = Layer(self.load_hc(p + "hc_attn_", True), self.load_attention(il, gated=True),
                           self.load_hc(p + "hc_ffn_", True), self.load_moe(il, shared=True))
             sources = self.expert_sources.pop(il)
@@ -712,8 +711,6 @@ class Net(qwen3next.Net):
                 hnorm=self.vec(p + "nextn.hnorm.weight", s * d).view(s, d).contiguous(),
                 head_hc=self.load_hc(p + "nextn.hc_head_", inject=False),
                 embed=self.tok_embd, output=self.output)
-        finally:
-            self.gguf = saved
         return blk
 
     def alloc_mtp(self, hs, t_max: int) -> None:

@@ -27,7 +27,7 @@ from ..kernels import engine_ops
 from ..kernels.cpu_experts import Geometry
 
 __all__ = ["DenseMatrix", "ExpertLayout", "HostExperts", "MappedExperts", "PackBuffer", "open_host_experts",
-           "pack_experts", "available_memory", "HOST_MODES", "dense", "vector", "FAST_TYPES"]
+           "pack_experts", "available_memory", "HOST_MODES", "check_host_mode", "dense", "vector", "FAST_TYPES"]
 
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 FAST_TYPES = tuple(engine_ops.WORDS)
@@ -414,6 +414,12 @@ def available_memory() -> "int | None":
     return None
 
 
+def check_host_mode(mode: str) -> None:
+    """A FleError naming ``--host-experts``' modes unless ``mode`` is one."""
+    if mode not in HOST_MODES:
+        raise FleError(f"--host-experts {mode!r}: auto, pinned or mapped")
+
+
 def _mapped_line(need: int, why: str) -> str:
     return (f"fle-engine: the routed experts take {need / 2**30:.1f} GiB and {why}: they stay memory-mapped in "
             f"the file (misses computed on the CPU; --host-experts pinned to insist)")
@@ -427,8 +433,7 @@ def open_host_experts(layouts: dict[int, ExpertLayout], n_expert: int, sources: 
     the host buffer when it fits the available RAM less :data:`MARGIN`
     and can be allocated (and locked), else memory-mapped, said in one
     line. The host buffer comes back empty (fill it)."""
-    if mode not in HOST_MODES:
-        raise FleError(f"--host-experts {mode!r}: auto, pinned or mapped")
+    check_host_mode(mode)
     if mode == "mapped":
         return MappedExperts(layouts, n_expert, sources, path)
     need = sum(n_expert * lay.expert_bytes for lay in layouts.values())
