@@ -34,6 +34,7 @@ bytes FLE streamed and the time its compute waited for copies.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -272,6 +273,23 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
     return res
 
 
+@contextlib.contextmanager
+def _kernels(which: str):
+    """FLE's one-token kernels for the runs inside: "cuda" (FLE_CUDA_MV=1: the CUDA C kernels where
+    they apply) or "triton" (FLE_CUDA_MV=0)."""
+    if which not in ("cuda", "triton"):
+        raise SystemExit(f"--kernels: {which!r} is not cuda or triton")
+    old = os.environ.get("FLE_CUDA_MV")
+    os.environ["FLE_CUDA_MV"] = "1" if which == "cuda" else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FLE_CUDA_MV")
+        else:
+            os.environ["FLE_CUDA_MV"] = old
+
+
 def fle_prefill(model: Path, budget: "int | str", prompts: list[int], ubatches: list[int], reps: int,
                 seed: int = 0) -> list[dict]:
     """FLE's prefill tok/s per (prompt length, micro-batch), the expert cache
@@ -454,6 +472,9 @@ def main(argv=None) -> int:
     p.add_argument("--mapped", action="store_true", dest="host_experts_mapped",
                    help="also an FLE run with the experts memory-mapped in the file (--host-experts mapped: every "
                         "miss on the CPU)")
+    p.add_argument("--kernels", default="cuda",
+                   help="FLE's one-token kernels, comma list: cuda (FLE_CUDA_MV=1: the CUDA C experts and Q8_0 "
+                        "dense products where they apply) and/or triton (FLE_CUDA_MV=0), each run in turn")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--link-gbps", type=float, default=25.0,
                    help="also print the modelled decode speed on a PCIe link of this speed (GB/s; default 25, a "
@@ -468,6 +489,7 @@ def main(argv=None) -> int:
     p.add_argument("--fle-ubatch", default="4096,8192", help="FLE's micro-batches for --prefill, comma list")
     p.add_argument("--no-decode", action="store_true", help="skip the decode runs (with --prefill)")
     args = p.parse_args(argv)
+    kernel_sets = args.kernels.split(",")
 
     from fle_quant.gguf_reader import GGUFModel
     from fle_quant.synth.fast import make_fast_model
@@ -539,10 +561,14 @@ def main(argv=None) -> int:
         runs = [(split, int(pf), "auto") for split in args.miss_split.split(",") for pf in args.miss_prefetch.split(",")]
         if args.host_experts_mapped:
             runs.append(("cpu", 0, "mapped"))         # every miss on the CPU, from the file's pages
-        for split, pf, host in ([] if args.no_decode else runs):
+        runs = [r + (k,) for k in kernel_sets for r in runs]
+        for split, pf, host, kern in ([] if args.no_decode else runs):
             key = "mapped" if host == "mapped" else split if not pf else f"{split}+prefetch{pf}"
-            f = row["fle_split"][key] = fle_decode(path, budget, args.n_gen, args.reps, miss_split=split, prefetch=pf,
-                                                   host_experts=host)
+            key += "" if kern == "cuda" else f"/{kern}"
+            with _kernels(kern):
+                f = row["fle_split"][key] = fle_decode(path, budget, args.n_gen, args.reps, miss_split=split,
+                                                       prefetch=pf, host_experts=host)
+            f["kernels"] = kern
             if f["prefetch"] is not None:
                 q = f["prefetch"]
                 print(f"[{routing}] prefetch {pf}/layer: {q['copied_per_step']:.1f} experts/token copied ahead, "
@@ -582,12 +608,16 @@ def main(argv=None) -> int:
         if not args.no_all_gpu and routing == args.routing.split(",")[0]:
             if "upstream_tok_s" in row:
                 row["upstream_all_gpu_tok_s"] = upstream_decode(exe, path, 0, args.n_gen, args.threads, args.reps)
-            row["fle_all_gpu"] = fle_decode(path, exp_bytes * 2, args.n_gen, args.reps)
-            msg = f"[all on the GPU] FLE {row['fle_all_gpu']['tok_s']:.1f} tok/s"
-            if "upstream_tok_s" in row:
-                row["all_gpu_ratio"] = row["fle_all_gpu"]["tok_s"] / row["upstream_all_gpu_tok_s"]
-                msg += f", upstream {row['upstream_all_gpu_tok_s']:.1f}, ratio {row['all_gpu_ratio']:.2f}"
-            print(msg, flush=True)
+            for kern in kernel_sets:
+                tag = "" if kern == kernel_sets[0] else f"_{kern}"
+                with _kernels(kern):
+                    g = row["fle_all_gpu" + tag] = fle_decode(path, exp_bytes * 2, args.n_gen, args.reps)
+                g["kernels"] = kern
+                msg = f"[all on the GPU] FLE ({kern} kernels) {g['tok_s']:.1f} tok/s"
+                if "upstream_tok_s" in row:
+                    row["all_gpu_ratio" + tag] = g["tok_s"] / row["upstream_all_gpu_tok_s"]
+                    msg += f", upstream {row['upstream_all_gpu_tok_s']:.1f}, ratio {row['all_gpu_ratio' + tag]:.2f}"
+                print(msg, flush=True)
         results["runs"].append(row)
         if args.checks and routing == args.routing.split(",")[-1]:
             results["checks"] = {"ctx": ctx_check(path, budget), "memory": memory_check(path, budget,

@@ -325,6 +325,102 @@ def dense_bench(explore: bool = False) -> list[dict]:
     return rows
 
 
+def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
+    """The CUDA C kernels (fle_engine.kernels.cuda_mv) against Triton's in one process: one
+    30B-A3B layer's expert launches (gate+up, then down) with every expert in a slot ("hit"),
+    one of the 8 read over PCIe ("one miss", about the calibrated skew's 0.74 per layer), and
+    all 8 ("miss"), per launch shape; then the Q8_0 dense products. Outputs are compared with
+    Triton's on the same sane random blocks (scales ~0.001) before timing."""
+    import torch
+
+    from fle_engine.kernels import cuda_mv
+    from fle_engine.kernels import triton_engine as te
+    from fle_engine.kernels import triton_quant
+    from fle_engine.runtime.weights import ExpertLayout, _dense_config
+    from fle_quant.ggml_types import GGMLType
+
+    os.environ["FLE_CUDA_MV"] = "1"               # on, whatever the default
+    qt = GGMLType.IQ4_XS
+    lay = ExpertLayout(n_ff, n_embd, qt, n_embd // 256 * 136, qt, n_ff // 256 * 136)
+    eb = lay.expert_bytes
+    rng = np.random.default_rng(0)
+    host = torch.from_numpy(rng.integers(0, 256, size=(n_expert, eb), dtype=np.uint8))
+    host.view(n_expert, eb // 136, 136)[:, :, :2] = torch.tensor([0x00, 0x14], dtype=torch.uint8)   # d ~0.001
+    host = host.pin_memory()
+    slots = host.cuda()
+    words = slots.view(-1).view(torch.int32)
+    delta = (host.data_ptr() - words.data_ptr()) // 4
+    ids = [torch.tensor(rng.permutation(n_expert)[:k], dtype=torch.int64, device="cuda") for _ in range(groups)]
+    x = torch.randn(1, n_embd, device="cuda") * 0.1
+    h = torch.zeros(k, n_ff, device="cuda")
+    y = torch.zeros(k, n_embd, device="cuda")
+    w = torch.full((k,), 0.125, device="cuda")
+    maps = {"hit": torch.arange(n_expert, dtype=torch.int32, device="cuda"),
+            "miss": torch.full((n_expert,), -1, dtype=torch.int32, device="cuda")}
+    one = maps["hit"].clone()
+    for g in range(groups):
+        one[ids[g][0]] = -1                      # the first expert of each layer's 8 is missed
+    maps["one miss"] = one
+
+    def layer(impl, smap, g, mode):
+        impl.experts(words, qt, delta, 0, eb // 4, n_ff, lay.gu_row_bytes, smap, ids[g], x, h, True, k, mode=mode)
+        impl.experts(words, qt, delta, lay.down_offset // 4, eb // 4, n_embd, lay.down_row_bytes, smap, ids[g], h, y,
+                     False, k, w, mode=mode)
+
+    res = {"experts": [], "dense": []}
+    # agreement with Triton's kernels, per map
+    for name, smap in maps.items():
+        layer(te, smap, 0, "miss")
+        ref = y.clone()
+        layer(cuda_mv, smap, 0, "miss")
+        err = float((y - ref).abs().max() / ref.abs().max())
+        res.setdefault("max_rel_diff", {})[name] = err
+        print(f"experts, {name}: CUDA C against Triton, max difference {err:.2e} of the largest output", flush=True)
+    bytes_layer = k * eb
+    configs = [("triton", None)] + [("cuda", c) for c in (
+        "1,4,1,4", "1,4,2,4", "2,4,2,4", "2,4,4,4", "1,8,2,8", "2,8,4,8", "4,4,8,4", "1,2,2,2", "2,2,4,2", "1,1,1,1")]
+    for impl_name, cfg in configs:
+        if cfg:
+            os.environ["FLE_CUDA_MV_CONFIG"] = cfg
+        impl = cuda_mv if cfg else te
+        row = {"impl": impl_name, "config": cfg or "defaults"}
+        for name, smap in maps.items():
+            mode = "hit" if name == "hit" else "miss"
+            t = _time_graph(lambda: [layer(impl, smap, g, mode) for g in range(groups)]) / groups
+            row[name + "_us"] = t * 1e6
+            row[name + "_GBps"] = bytes_layer / t / 1e9
+        res["experts"].append(row)
+        print(row, flush=True)
+    os.environ.pop("FLE_CUDA_MV_CONFIG", None)
+    for name, n_out, n_in, reps in (("qkv", 5120, 2048, 16), ("wo", 2048, 4096, 16), ("output", 151936, 2048, 1)):
+        mats = [torch.randint(0, 256, (n_out, n_in // 32 * 34), dtype=torch.uint8, device="cuda")
+                for _ in range(reps)]
+        for m in mats:
+            m.view(-1, 34)[:, :2] = torch.tensor([0x00, 0x14], dtype=torch.uint8, device="cuda")
+        xd = torch.randn(1, n_in, device="cuda")
+        yd = torch.zeros(1, n_out, device="cuda")
+        ref = triton_quant.mul_mat(mats[0], GGMLType.Q8_0, xd, config=_dense_config(n_out, 1)).clone()
+        cuda_mv.dense(mats[0], GGMLType.Q8_0, xd, yd)
+        err = float((yd - ref).abs().max() / ref.abs().max())
+        print(f"dense {name}: CUDA C against Triton, max difference {err:.2e}", flush=True)
+        launches = [("triton engine launch", None)] + [(f"cuda {r},{wp}", f"1,4,1,4,{r},{wp}")
+                                                        for r, wp in ((1, 4), (2, 4), (4, 4), (1, 8), (2, 8), (4, 2),
+                                                                      (2, 2), (1, 2))]
+        for launch, cfg in launches:
+            if cfg:
+                os.environ["FLE_CUDA_MV_CONFIG"] = cfg
+                fn = lambda: [cuda_mv.dense(m, GGMLType.Q8_0, xd, yd) for m in mats]
+            else:
+                fn = lambda: [triton_quant.mul_mat(m, GGMLType.Q8_0, xd, out=yd, config=_dense_config(n_out, 1))
+                              for m in mats]
+            t = _time_graph(fn) / reps
+            res["dense"].append({"matrix": name, "launch": launch, "us": t * 1e6, "GBps": mats[0].numel() / t / 1e9,
+                                 "max_rel_diff": err})
+            print(res["dense"][-1], flush=True)
+        os.environ.pop("FLE_CUDA_MV_CONFIG", None)
+    return res
+
+
 def explore_configs(hit: tuple, miss: tuple) -> list:
     """Launches around the defaults: the gate+up kernel's rows, warps and super-blocks per
     iteration with the default down kernel, then the down kernel's with the default gate+up,
@@ -349,6 +445,8 @@ def main(argv=None) -> int:
                    help="also try super-blocks per loop iteration and programmatic dependent launch (sm_90+)")
     p.add_argument("--misses", action="store_true",
                    help="only the cost of m missed experts per token in a layer's launches, T = 1 and 3")
+    p.add_argument("--cuda", action="store_true",
+                   help="only the CUDA C kernels (cuda_mv) against Triton's: experts and Q8_0 dense, per launch shape")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     import json
@@ -358,6 +456,25 @@ def main(argv=None) -> int:
 
     res = {"ceilings": ceilings()}
     print(res["ceilings"], flush=True)
+    if args.cuda:
+        res.update(cuda_bench())
+        hbm, pin = res["ceilings"]["hbm_copy_GBps"], res["ceilings"]["pinned_h2d_GBps"]
+        for name, ceil, unit in (("hit", hbm, "of the device copy"), ("one miss", hbm, "of the device copy"),
+                                 ("miss", pin, "of the pinned copy")):
+            for impl in ("triton", "cuda"):
+                rs = [r for r in res["experts"] if r["impl"] == impl]
+                b = min(rs, key=lambda r: r[name + "_us"])
+                print(f"experts, {name}: {impl} best {b['config']} {b[name + '_us']:.1f} us, "
+                      f"{b[name + '_GBps']:.0f} GB/s = {b[name + '_GBps'] / ceil:.2f} {unit}")
+        for name in ("qkv", "wo", "output"):
+            for impl in ("triton", "cuda"):
+                rs = [r for r in res["dense"] if r["matrix"] == name and r["launch"].startswith(impl)]
+                b = min(rs, key=lambda r: r["us"])
+                print(f"dense {name}: {impl} best {b['launch']} {b['us']:.1f} us, {b['GBps']:.0f} GB/s = "
+                      f"{b['GBps'] / hbm:.2f} of the device copy")
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1))
+        return 0
     if args.misses:
         res["misses"] = miss_count_bench()
         base = {r["T"]: r["us"] for r in res["misses"] if r.get("missed_per_token") == 0}

@@ -574,7 +574,7 @@ def dequant_ref(space: WordSpace, qtype: GGMLType, base: Tensor, n_rows: int, ro
 def _fast():
     from . import triton_engine as te
 
-    return SimpleNamespace(experts=te.experts, route_topk=te.route_topk, add_rmsnorm=te.add_rmsnorm,
+    return SimpleNamespace(experts=_experts_fast, route_topk=te.route_topk, add_rmsnorm=te.add_rmsnorm,
                            qk_rope_kv=te.qk_rope_kv, attention=te.attention, embed_row=te.embed_row,
                            hc_write_norm=te.hc_write_norm, hc_mix=te.hc_mix, gather_rows=te.gather_rows,
                            gdn_step=te.gdn_step, post_misses=te.post_misses, wait_misses=te.wait_misses,
@@ -582,6 +582,21 @@ def _fast():
                            attention_multi=te.attention_multi, dequant=_dequant_fast, gdn_tokens=te.gdn_tokens,
                            round_acts=te.round_acts, stage_pick=te.stage_pick, stage_copy=te.stage_copy,
                            stage_apply=te.stage_apply, float_mv=te.float_mv)
+
+
+def _experts_fast(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int, n_out: int,
+                  row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor, gate_up: bool, n_used: int,
+                  weights: "Tensor | None" = None, mode: str = "miss", cpu_share: int = 0,
+                  x_miss: "Tensor | None" = None) -> Tensor:
+    """The routed experts' product on the fast side: the CUDA C kernel
+    (:mod:`.cuda_mv`) where it takes the call, else Triton's."""
+    from . import cuda_mv, triton_engine as te
+
+    word = words.element_size()
+    impl = cuda_mv if cuda_mv.experts_supported(words, qtype, x, out, x_miss, expert_words * word,
+                                                part_words * word) else te
+    return impl.experts(words, qtype, host_delta, part_words, expert_words, n_out, row_bytes, slot_of, ids, x, out,
+                        gate_up, n_used, weights, mode=mode, cpu_share=cpu_share, x_miss=x_miss)
 
 
 def _dequant_fast(space: WordSpace, qtype: GGMLType, *args, **kw) -> Tensor:

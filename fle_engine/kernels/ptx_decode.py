@@ -23,7 +23,7 @@ import numpy as np
 
 from fle_quant.quants import tables
 
-__all__ = ["IQ4_PROGRAM", "Q8_PROGRAM", "program_ptx", "run_program"]
+__all__ = ["IQ4_PROGRAM", "Q8_PROGRAM", "BOOK_WORDS", "program_ptx", "run_program"]
 
 _M32 = 0xFFFFFFFF
 
@@ -34,6 +34,7 @@ def _book_words() -> list[int]:
 
 
 _T = _book_words()
+BOOK_WORDS = tuple(_T)      # the biased code book as four words (also cuda_mv.cu's KV0..KV3)
 _MAGIC = 0x4B000000          # the float 2^23
 _BIAS = 0x4B000080           # the float 2^23 + 128
 

@@ -57,7 +57,10 @@ class DenseMatrix:
             torch.matmul(x, self.data.T, out=out)
             return out
         if impl == "triton":
-            from ..kernels import triton_quant
+            from ..kernels import cuda_mv, triton_quant
+
+            if x.shape[0] == 1 and cuda_mv.dense_supported(self.data, self.qtype, x, out):
+                return cuda_mv.dense(self.data, self.qtype, x, out)
 
             return triton_quant.mul_mat(self.data, self.qtype, x, config=_dense_config(self.n_out, x.shape[0]),
                                         out=out)

@@ -1,0 +1,232 @@
+// One-token products of quantized matrices, in CUDA C (compiled at run time
+// with NVRTC by cuda_mv.py; no headers). Each warp owns a few output rows;
+// its lanes walk the rows' 32-value blocks (a Q8_0 block, an IQ4_XS
+// sub-block), each lane loading its block's weight bytes with plain 4- or
+// 8-byte loads, its 32 activations once (reused for every row of the warp)
+// and accumulating in float32; a warp reduction ends the row. Decoding goes
+// through byte permutes into the float 2^23's low byte (see ptx_decode.py),
+// not the conversion unit.
+//
+// KV0..KV3 (the IQ4 code book + 128, as four words) are defined by the
+// loader in front of this source.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+#define MAGIC 0x4B000000u
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// eight IQ4 values of one word (byte j: value j in its low nibble, value j + 16 in its high one)
+// dotted with the activations: lo[0..3] for the low nibbles of bytes 0..3, hi[0..3] for the high ones
+__device__ __forceinline__ float iq4_dot(u32 q, const float4 lo, const float4 hi) {
+    const float bias = __int_as_float(0x4B000080);
+    u32 lh = ((q & 0x88888888u) >> 1) | 0x32103210u;
+    u32 s = q & 0x7777u;
+    u32 v0 = __byte_perm(__byte_perm(KV0, KV1, s), __byte_perm(KV2, KV3, s), lh);
+    s = (q >> 16) & 0x7777u;
+    lh >>= 16;
+    u32 v1 = __byte_perm(__byte_perm(KV0, KV1, s), __byte_perm(KV2, KV3, s), lh);
+    // v0 = (lo0, hi0, lo1, hi1), v1 = (lo2, hi2, lo3, hi3)
+    float r = (__int_as_float(__byte_perm(v0, MAGIC, 0x7540)) - bias) * lo.x;
+    r = fmaf(__int_as_float(__byte_perm(v0, MAGIC, 0x7542)) - bias, lo.y, r);
+    r = fmaf(__int_as_float(__byte_perm(v1, MAGIC, 0x7540)) - bias, lo.z, r);
+    r = fmaf(__int_as_float(__byte_perm(v1, MAGIC, 0x7542)) - bias, lo.w, r);
+    r = fmaf(__int_as_float(__byte_perm(v0, MAGIC, 0x7541)) - bias, hi.x, r);
+    r = fmaf(__int_as_float(__byte_perm(v0, MAGIC, 0x7543)) - bias, hi.y, r);
+    r = fmaf(__int_as_float(__byte_perm(v1, MAGIC, 0x7541)) - bias, hi.z, r);
+    r = fmaf(__int_as_float(__byte_perm(v1, MAGIC, 0x7543)) - bias, hi.w, r);
+    return r;
+}
+
+// four int8 values of one word dotted with four activations
+__device__ __forceinline__ float q8_dot(u32 q, const float4 x) {
+    const float bias = __int_as_float(0x4B000080);
+    q ^= 0x80808080u;
+    float r = (__int_as_float(__byte_perm(q, MAGIC, 0x7540)) - bias) * x.x;
+    r = fmaf(__int_as_float(__byte_perm(q, MAGIC, 0x7541)) - bias, x.y, r);
+    r = fmaf(__int_as_float(__byte_perm(q, MAGIC, 0x7542)) - bias, x.z, r);
+    r = fmaf(__int_as_float(__byte_perm(q, MAGIC, 0x7543)) - bias, x.w, r);
+    return r;
+}
+
+// ---------------------------------------------------------------------------
+// IQ4_XS super-block (136 bytes): f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128]; sub-block ib
+// (32 values) has scale d * (ls - 32), ls = 4 bits of scales_l[ib / 2] | 2 bits of scales_h << 4,
+// and its 16 bytes of qs at 8 + 16 ib. The row's sub-block `it` of a row at `row` (8-byte aligned).
+__device__ __forceinline__ float iq4xs_sub(const char* row, int it, const float4 (&xl)[4], const float4 (&xh)[4]) {
+    const int sb = it >> 3, ib = it & 7;
+    const char* p = row + (i64)sb * 136;
+    const uint2 hd = __ldg((const uint2*)p);
+    const uint2 qa = __ldg((const uint2*)(p + 8 + 16 * ib));
+    const uint2 qb = __ldg((const uint2*)(p + 16 + 16 * ib));
+    const u32 ls = ((hd.y >> (4 * ib)) & 0xFu) | (((hd.x >> (16 + 2 * ib)) & 3u) << 4);
+    const float dl = h2f((u16)(hd.x & 0xFFFFu)) * (float)((int)ls - 32);
+    float s = iq4_dot(qa.x, xl[0], xh[0]);
+    s += iq4_dot(qa.y, xl[1], xh[1]);
+    s += iq4_dot(qb.x, xl[2], xh[2]);
+    s += iq4_dot(qb.y, xl[3], xh[3]);
+    return dl * s;
+}
+
+// The routed experts of one step (any number of tokens T, rows r = t * n_used + k), one matrix
+// product: with GU, silu(gate x) * up x of the gate rows and the up rows that follow them, else the
+// down product scaled by the routing weight. Expert e's bytes are in slot slot_of[e] of the slot
+// buffer at `base` when it has one, else host_delta bytes from `base` (page-locked host memory, read
+// over PCIe). cpu_share (0..256): the last round(n_miss * share / 256) misses of each token are the
+// CPU's (runtime.split), skipped here (their down rows written as zeros). A missed expert reads its
+// activations x_miss_delta elements away from x (their rounded copy) when that is not 0.
+template <int GU, int OPW>
+__device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,
+                                              const int* slot_of, const i64* ids, const float* wts, const float* x,
+                                              float* y, int n_out, int n_sub, i64 row_bytes, int n_used,
+                                              int stride_x, int stride_y, int cpu_share, i64 x_miss_delta) {
+    const int r = blockIdx.y;
+    const int lane = threadIdx.x & 31;
+    const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
+    if (o0 >= n_out) return;
+    const i64 e = ids[r];
+    const int s = slot_of[e];
+    if (cpu_share > 0 && s < 0) {
+        const int t = r / n_used;
+        int n_miss = 0, rank = 0;
+        for (int k = 0; k < n_used; ++k) {
+            const int miss = slot_of[ids[t * n_used + k]] < 0;
+            n_miss += miss;
+            rank += miss && (t * n_used + k < r);
+        }
+        const int n_cpu = (n_miss * cpu_share + 128) >> 8;
+        if (rank >= n_miss - n_cpu) {
+            if (!GU && lane < OPW && o0 + lane < n_out) y[(i64)r * stride_y + o0 + lane] = 0.0f;
+            return;
+        }
+    }
+    const char* ex = (s >= 0) ? base + (i64)s * expert_bytes : base + host_delta + e * expert_bytes;
+    const char* m = ex + part_bytes;
+    const float* xr = x + (i64)(GU ? r / n_used : r) * stride_x + (s < 0 ? x_miss_delta : 0);
+    constexpr int NR = GU ? 2 * OPW : OPW;
+    float acc[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
+#pragma unroll 2
+    for (int it = lane; it < n_sub; it += 32) {
+        const float4* xp = (const float4*)(xr + 32 * it);
+        const float4 xl[4] = {xp[0], xp[1], xp[2], xp[3]};
+        const float4 xh[4] = {xp[4], xp[5], xp[6], xp[7]};
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+            const int o = o0 + (GU ? (i >> 1) : i);
+            if (o < n_out) {
+                const i64 row = GU ? (i64)o + (i & 1) * (i64)n_out : (i64)o;
+                acc[i] += iq4xs_sub(m + row * row_bytes, it, xl, xh);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NR; ++i) acc[i] = warp_sum(acc[i]);
+    if (lane == 0) {
+        const float w = GU ? 1.0f : wts[r];
+#pragma unroll
+        for (int j = 0; j < OPW; ++j) {
+            const int o = o0 + j;
+            if (o < n_out) {
+                float v;
+                if (GU) {
+                    const float g = acc[2 * j], u = acc[2 * j + 1];
+                    v = g / (1.0f + __expf(-g)) * u;
+                } else {
+                    v = acc[j] * w;
+                }
+                y[(i64)r * stride_y + o] = v;
+            }
+        }
+    }
+}
+
+#define EXPERTS(NAME, GU, OPW)                                                                                      \
+    extern "C" __global__ void NAME(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,            \
+                                    const int* slot_of, const i64* ids, const float* wts, const float* x, float* y, \
+                                    int n_out, int n_sub, i64 row_bytes, int n_used, int stride_x, int stride_y,   \
+                                    int cpu_share, i64 x_miss_delta) {                                             \
+        iq4xs_experts<GU, OPW>(base, host_delta, part_bytes, expert_bytes, slot_of, ids, wts, x, y, n_out, n_sub, \
+                               row_bytes, n_used, stride_x, stride_y, cpu_share, x_miss_delta);                   \
+    }
+
+EXPERTS(iq4xs_gu_1, 1, 1)
+EXPERTS(iq4xs_gu_2, 1, 2)
+EXPERTS(iq4xs_gu_4, 1, 4)
+EXPERTS(iq4xs_dn_1, 0, 1)
+EXPERTS(iq4xs_dn_2, 0, 2)
+EXPERTS(iq4xs_dn_4, 0, 4)
+EXPERTS(iq4xs_dn_8, 0, 8)
+
+// ---------------------------------------------------------------------------
+// Q8_0 (34-byte blocks: f16 d, 32 int8): y[o] = sum over the row's blocks of d * (q . x). A block
+// at an even index starts 4-byte aligned, at an odd one 2 bytes past; the nine words from the
+// aligned address below the block hold it whole.
+__device__ __forceinline__ float q8_0_block(const char* row, int b, const float4 (&xv)[8]) {
+    const char* p = row + 34 * b;
+    const int odd = b & 1;
+    const u32* w = (const u32*)(p - 2 * odd);
+    u32 v[9];
+#pragma unroll
+    for (int i = 0; i < 9; ++i) v[i] = __ldg(w + i);
+    const float d = h2f((u16)(odd ? (v[0] >> 16) : (v[0] & 0xFFFFu)));
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        // the quants' word i: bytes 2 + 4 i .. 5 + 4 i of the block
+        const u32 q = odd ? v[i + 1] : __funnelshift_r(v[i], v[i + 1], 16);
+        s += q8_dot(q, xv[i]);
+    }
+    return d * s;
+}
+
+template <int OPW>
+__device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y, int n_out, int n_blocks,
+                                        i64 row_bytes) {
+    const int lane = threadIdx.x & 31;
+    const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
+    if (o0 >= n_out) return;
+    float acc[OPW];
+#pragma unroll
+    for (int i = 0; i < OPW; ++i) acc[i] = 0.0f;
+#pragma unroll 2
+    for (int b = lane; b < n_blocks; b += 32) {
+        const float4* xp = (const float4*)(x + 32 * b);
+        float4 xv[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xv[i] = xp[i];
+#pragma unroll
+        for (int i = 0; i < OPW; ++i)
+            if (o0 + i < n_out) acc[i] += q8_0_block(w + (i64)(o0 + i) * row_bytes, b, xv);
+    }
+#pragma unroll
+    for (int i = 0; i < OPW; ++i) acc[i] = warp_sum(acc[i]);
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < OPW; ++i)
+            if (o0 + i < n_out) y[o0 + i] = acc[i];
+    }
+}
+
+#define Q8MV(NAME, OPW)                                                                                  \
+    extern "C" __global__ void NAME(const char* w, const float* x, float* y, int n_out, int n_blocks,   \
+                                    i64 row_bytes) {                                                     \
+        q8_0_mv<OPW>(w, x, y, n_out, n_blocks, row_bytes);                                               \
+    }
+
+Q8MV(q8_0_mv_1, 1)
+Q8MV(q8_0_mv_2, 2)
+Q8MV(q8_0_mv_4, 4)

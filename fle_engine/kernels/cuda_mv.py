@@ -1,0 +1,258 @@
+"""One-token products in CUDA C (``cuda_mv.cu``), for the decode step's
+two heaviest kinds of launch: the routed IQ4_XS experts (from their cache
+slots or over PCIe from page-locked host memory, as
+:func:`triton_engine.experts`) and Q8_0 dense matrices. Triton's versions
+of both stay the fast side's fallback for every other case (other types,
+T > 1, unaligned buffers) and the form the tests run without a GPU; the
+references in :mod:`engine_ops` stay the slow, obvious twins.
+
+The source is compiled once per process with NVRTC (the library that
+torch's CUDA build ships) for the device's architecture and loaded through
+the driver API; launches go on torch's current stream, so they are
+captured into CUDA graphs like any kernel. ``FLE_CUDA_MV=1`` turns the
+CUDA C kernels on; off (the default until they are measured on the GPU
+machine), Triton's kernels run everywhere.
+
+Launch shapes (output rows per warp, warps per block), per kernel and
+mode, are in :data:`EXPERT_CONFIG` and :data:`DENSE_CONFIG`, measured with
+``bench/engine_kernels.py --cuda``; ``FLE_CUDA_MV_CONFIG`` overrides them
+for tuning (``gu_rows,gu_warps,down_rows,down_warps[,dense_rows,dense_warps]``).
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from fle_quant.errors import FleError
+from fle_quant.ggml_types import GGMLType
+
+from .ptx_decode import BOOK_WORDS
+
+__all__ = ["enabled", "experts_supported", "experts", "dense_supported", "dense", "EXPERT_CONFIG", "DENSE_CONFIG"]
+
+SOURCE = Path(__file__).with_name("cuda_mv.cu")
+DEFAULT = "0"             # FLE_CUDA_MV when unset
+
+# (rows per warp, warps per block) of the gate+up and the down kernel, per mode ("hit": every
+# expert of every layer cached; "miss": a layer may read over PCIe). Measured on an H100
+# (bench/engine_kernels.py --cuda; docs/benchmarks.md).
+EXPERT_CONFIG = {"hit": ((2, 4), (4, 4)), "miss": ((1, 4), (2, 4))}
+_GU_ROWS = (1, 2, 4)
+_DN_ROWS = (1, 2, 4, 8)
+DENSE_CONFIG = (2, 4)
+_DENSE_ROWS = (1, 2, 4)
+
+_IQ4_SUPER = 136          # bytes of an IQ4_XS super-block (256 values)
+_Q8_BLOCK = 34
+
+
+def _env_config():
+    env = os.environ.get("FLE_CUDA_MV_CONFIG")
+    if not env:
+        return None
+    v = [int(x) for x in env.split(",")]
+    if len(v) not in (4, 6):
+        raise ValueError("FLE_CUDA_MV_CONFIG takes gu_rows,gu_warps,down_rows,down_warps[,dense_rows,dense_warps]")
+    return v
+
+
+def _check(res: int, what: str) -> None:
+    if res != 0:
+        raise FleError(f"CUDA C kernels: {what} failed with error {res}")
+
+
+def _nvrtc() -> ctypes.CDLL:
+    major = (torch.version.cuda or "12").split(".")[0]
+    names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
+    for p in sys.path:                          # the pip wheels (nvidia-cuda-nvrtc) that torch's build uses
+        names += sorted(glob.glob(os.path.join(p, "nvidia", "*", "lib", f"libnvrtc.so.{major}*")))
+        names += sorted(glob.glob(os.path.join(p, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*")))
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise FleError("CUDA C kernels: no NVRTC library (libnvrtc) found; set FLE_CUDA_MV=0 to use Triton's kernels")
+
+
+class _Module:
+    """The compiled source on the current device: its kernels by name."""
+
+    def __init__(self):
+        torch.cuda.init()
+        dev = torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(dev)
+        book = "".join(f"#define KV{i} 0x{w:08X}u\n" for i, w in enumerate(BOOK_WORDS))
+        src = (book + SOURCE.read_text()).encode()
+        nv = _nvrtc()
+        prog = ctypes.c_void_p()
+        _check(nv.nvrtcCreateProgram(ctypes.byref(prog), src, b"cuda_mv.cu", 0, None, None), "nvrtcCreateProgram")
+        opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"--std=c++17"]
+        arr = (ctypes.c_char_p * len(opts))(*opts)
+        res = nv.nvrtcCompileProgram(prog, len(opts), arr)
+        if res != 0:
+            size = ctypes.c_size_t()
+            nv.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            nv.nvrtcGetProgramLog(prog, log)
+            raise FleError(f"CUDA C kernels: {SOURCE.name} did not compile:\n{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        _check(nv.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        cubin = ctypes.create_string_buffer(size.value)
+        _check(nv.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        nv.nvrtcDestroyProgram(ctypes.byref(prog))
+        self.cuda = ctypes.CDLL("libcuda.so.1")
+        self.cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        self.device = dev
+        cu_dev = ctypes.c_int()
+        _check(self.cuda.cuDeviceGet(ctypes.byref(cu_dev), dev), "cuDeviceGet")
+        self.ctx = ctypes.c_void_p()
+        _check(self.cuda.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), cu_dev), "cuDevicePrimaryCtxRetain")
+        self._ensure_ctx()
+        self.module = ctypes.c_void_p()
+        _check(self.cuda.cuModuleLoadData(ctypes.byref(self.module), cubin), "cuModuleLoadData")
+        self.funcs: dict[str, ctypes.c_void_p] = {}
+        self.local = threading.local()
+
+    def _ensure_ctx(self) -> None:
+        cur = ctypes.c_void_p()
+        _check(self.cuda.cuCtxGetCurrent(ctypes.byref(cur)), "cuCtxGetCurrent")
+        if cur.value != self.ctx.value:
+            _check(self.cuda.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+
+    def func(self, name: str) -> ctypes.c_void_p:
+        f = self.funcs.get(name)
+        if f is None:
+            f = ctypes.c_void_p()
+            _check(self.cuda.cuModuleGetFunction(ctypes.byref(f), self.module, name.encode()), f"kernel {name}")
+            self.funcs[name] = f
+        return f
+
+    def launch(self, name: str, grid: tuple, block: int, args: list) -> None:
+        if not getattr(self.local, "ctx_ok", False):     # a thread's first launch: torch's context current
+            self._ensure_ctx()
+            self.local.ctx_ok = True
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+        stream = torch.cuda.current_stream().cuda_stream
+        _check(self.cuda.cuLaunchKernel(self.func(name), grid[0], grid[1], 1, block, 1, 1, 0, stream, params, None),
+               f"launch of {name}")
+
+
+_MODULE: "_Module | None" = None
+_FAILED: "str | None" = None
+_LOCK = threading.Lock()
+
+
+def enabled() -> bool:
+    """Whether the CUDA C kernels are on (a CUDA device and FLE_CUDA_MV=1)."""
+    return os.environ.get("FLE_CUDA_MV", DEFAULT) != "0" and torch.cuda.is_available()
+
+
+def _module() -> "_Module | None":
+    """The compiled kernels, or None (with one warning) when they cannot be built here."""
+    global _MODULE, _FAILED
+    if _MODULE is None and _FAILED is None:
+        with _LOCK:
+            if _MODULE is None and _FAILED is None:
+                try:
+                    _MODULE = _Module()
+                except (FleError, OSError) as e:
+                    _FAILED = str(e)
+                    print(f"warning: {e}; the engine uses Triton's kernels instead", file=sys.stderr)
+    return _MODULE
+
+
+def _aligned(t: Tensor, n: int) -> bool:
+    return t.data_ptr() % n == 0
+
+
+def _p(t: "Tensor | int") -> ctypes.c_void_p:
+    return ctypes.c_void_p(t if isinstance(t, int) else t.data_ptr())
+
+
+# ---------------------------------------------------------------------------
+# experts
+
+
+def experts_supported(words: Tensor, qtype: GGMLType, x: Tensor, out: Tensor, x_miss: "Tensor | None",
+                      expert_bytes: int, part_bytes: int) -> bool:
+    """Whether :func:`experts` takes this call (else Triton's kernel does)."""
+    if not enabled() or qtype != GGMLType.IQ4_XS or not words.is_cuda:
+        return False
+    if not (x.dtype == out.dtype == torch.float32 and x.stride(-1) == 1 and out.stride(-1) == 1):
+        return False
+    if not (_aligned(words, 8) and expert_bytes % 8 == 0 and part_bytes % 8 == 0):
+        return False
+    if not (_aligned(x, 16) and x.stride(0) % 4 == 0):
+        return False
+    if x_miss is not None and (not _aligned(x_miss, 16) or x_miss.stride(0) != x.stride(0)):
+        return False
+    return _module() is not None
+
+
+def _expert_config(gate_up: bool, mode: str) -> tuple[int, int]:
+    env = _env_config()
+    if env:
+        return (env[0], env[1]) if gate_up else (env[2], env[3])
+    return EXPERT_CONFIG[mode][0 if gate_up else 1]
+
+
+def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
+            n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
+            gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
+            cpu_share: int = 0, x_miss: "Tensor | None" = None) -> Tensor:
+    """:func:`triton_engine.experts` (same arguments and result) for IQ4_XS
+    experts in the CUDA C kernel; callers check :func:`experts_supported`."""
+    word = words.element_size()
+    rows, warps = _expert_config(gate_up, mode)
+    if rows not in (_GU_ROWS if gate_up else _DN_ROWS):
+        raise ValueError(f"no {'gate+up' if gate_up else 'down'} kernel with {rows} rows per warp")
+    kind = "gu" if gate_up else "dn"
+    n_sub = row_bytes // _IQ4_SUPER * 8
+    x_delta = 0 if x_miss is None else (x_miss.data_ptr() - x.data_ptr()) // 4
+    grid = ((n_out + rows * warps - 1) // (rows * warps), ids.shape[0])
+    args = [_p(words), ctypes.c_longlong(host_delta * word), ctypes.c_longlong(part_words * word),
+            ctypes.c_longlong(expert_words * word), _p(slot_of), _p(ids), _p(out if weights is None else weights),
+            _p(x), _p(out), ctypes.c_int(n_out), ctypes.c_int(n_sub), ctypes.c_longlong(row_bytes),
+            ctypes.c_int(n_used), ctypes.c_int(x.stride(0)), ctypes.c_int(out.stride(0)), ctypes.c_int(int(cpu_share)),
+            ctypes.c_longlong(x_delta)]
+    _module().launch(f"iq4xs_{kind}_{rows}", grid, 32 * warps, args)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# dense
+
+
+def dense_supported(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> bool:
+    """Whether :func:`dense` takes this product (Q8_0, one token, aligned rows)."""
+    if not enabled() or qtype != GGMLType.Q8_0 or not w.is_cuda or x.shape[0] != 1:
+        return False
+    row_bytes = w.shape[-1]
+    if row_bytes % (2 * _Q8_BLOCK) or not _aligned(w, 4):
+        return False
+    if not (x.dtype == out.dtype == torch.float32 and x.stride(-1) == 1 and out.stride(-1) == 1 and _aligned(x, 16)):
+        return False
+    return _module() is not None
+
+
+def dense(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> Tensor:
+    """``out [1, n_out] = x [1, n_in] @ W.T`` for Q8_0 rows ``w`` (uint8
+    ``[n_out, row_bytes]``); callers check :func:`dense_supported`."""
+    env = _env_config()
+    rows, warps = (env[4], env[5]) if env and len(env) == 6 else DENSE_CONFIG
+    if rows not in _DENSE_ROWS:
+        raise ValueError(f"no dense kernel with {rows} rows per warp")
+    n_out, row_bytes = w.shape[0], w.shape[-1]
+    grid = ((n_out + rows * warps - 1) // (rows * warps), 1)
+    _module().launch(f"q8_0_mv_{rows}", grid, 32 * warps,
+                     [_p(w), _p(x), _p(out), ctypes.c_int(n_out), ctypes.c_int(row_bytes // _Q8_BLOCK),
+                      ctypes.c_longlong(row_bytes)])
+    return out

@@ -1,0 +1,145 @@
+"""The CUDA C one-token kernels (fle_engine.kernels.cuda_mv) against the
+references: the routed IQ4_XS experts (slots, misses from page-locked host
+memory, the CPU's share skipped, the rounded activations of misses) and
+Q8_0 dense products, at every rows-per-warp shape. On a machine without
+CUDA only the source's compilation (nvcc, when present) and the fallback
+are checked; the engine's own tests run these kernels on CUDA too."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fle_engine.kernels import cuda_mv, engine_ops, reference  # noqa: E402
+from fle_engine.kernels.ptx_decode import BOOK_WORDS  # noqa: E402
+from fle_quant.ggml_types import GGMLType  # noqa: E402
+from fle_quant.quants import quantize  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True)
+def _on(monkeypatch):
+    """The kernels on, whatever the default (a test may turn them off)."""
+    monkeypatch.setenv("FLE_CUDA_MV", "1")
+
+
+def test_source_compiles(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here (the engine compiles the source with NVRTC on the GPU machine)")
+    src = tmp_path / "k.cu"
+    src.write_text("".join(f"#define KV{i} 0x{w:08X}u\n" for i, w in enumerate(BOOK_WORDS))
+                   + cuda_mv.SOURCE.read_text())
+    out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), str(src)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_off_without_cuda_or_when_asked(monkeypatch):
+    monkeypatch.setenv("FLE_CUDA_MV", "0")
+    assert not cuda_mv.enabled()
+    w = torch.zeros(4, 68, dtype=torch.uint8)
+    assert not cuda_mv.dense_supported(w, GGMLType.Q8_0, torch.zeros(1, 64), torch.zeros(1, 4))
+    monkeypatch.setenv("FLE_CUDA_MV", "1")
+    assert cuda_mv.enabled() == CUDA
+    monkeypatch.delenv("FLE_CUDA_MV")
+    assert cuda_mv.enabled() == (CUDA and cuda_mv.DEFAULT == "1")
+
+
+def _close(a, b, tol=2e-5):
+    scale = float(b.abs().max()) or 1.0
+    assert float((a - b).abs().max()) <= tol * scale, float((a - b).abs().max()) / scale
+
+
+@gpu
+@pytest.mark.parametrize("config", ["1,4,1,4", "2,4,4,4", "4,2,8,1", "1,1,2,2"])
+@pytest.mark.parametrize("share,rounded", [(0, False), (128, False), (0, True)])
+def test_experts_against_reference(config, share, rounded, monkeypatch):
+    monkeypatch.setenv("FLE_CUDA_MV_CONFIG", config)
+    qtype = GGMLType.IQ4_XS
+    rng = np.random.default_rng(5)
+    n_exp, n_ff, n_embd, n_used, T = 7, 40, 512, 3, 3          # 40 rows: warps with rows past the end
+    rb_gu, rb_d = n_embd // 256 * 136, 256 // 256 * 136       # down: 256 inputs (n_ff padded as the engine pads)
+    gu = quantize(rng.standard_normal((n_exp * 2 * n_ff, n_embd)).astype(np.float32) * 0.1, qtype)
+    dn = quantize(rng.standard_normal((n_exp * n_embd, 256)).astype(np.float32) * 0.1, qtype)
+    d_off = 2 * n_ff * rb_gu
+    eb = d_off + n_embd * rb_d
+    host = torch.zeros(n_exp, eb, dtype=torch.uint8)
+    host[:, :d_off] = torch.from_numpy(gu.reshape(n_exp, -1))
+    host[:, d_off:] = torch.from_numpy(dn.reshape(n_exp, -1))
+    slots = torch.zeros(3, eb, dtype=torch.uint8)
+    slot_of = torch.full((n_exp,), -1, dtype=torch.int32)
+    for s, e in enumerate((4, 1, 6)):
+        slots[s] = host[e]
+        slot_of[e] = s
+    ids = torch.tensor([1, 2, 4, 0, 3, 5, 6, 1, 2], dtype=torch.int64)
+    R = ids.numel()
+    x = torch.randn(T, n_embd) * 0.5
+    x_miss = (x * 64).round() / 64 if rounded else None
+    wts = torch.rand(R)
+    st = engine_ops.ExpertWords(slots, host, 4)
+    ref_h = torch.zeros(R, n_ff)
+    engine_ops.experts_ref(st, qtype, 0, 0, 0, n_ff, rb_gu, slot_of, ids, x, ref_h, True, n_used, cpu_share=share,
+                           x_miss=x_miss)
+    h_in = torch.nn.functional.pad(ref_h, (0, 256 - n_ff))
+    ref_y = torch.zeros(R, n_embd)
+    engine_ops.experts_ref(st, qtype, 0, d_off // 4, 0, n_embd, rb_d, slot_of, ids, h_in, ref_y, False, n_used, wts,
+                           cpu_share=share)
+    # misses read over PCIe from page-locked host memory, addressed from the slot buffer's pointer
+    pinned = host.pin_memory()
+    dev_slots = slots.cuda()
+    words = dev_slots.view(-1).view(torch.int32)
+    delta = (pinned.data_ptr() - words.data_ptr()) // 4
+    xs = torch.zeros(2, T, n_embd, device="cuda")        # x and its rounded copy, one buffer (aligned rows)
+    xs[0] = x.cuda()
+    if rounded:
+        xs[1] = x_miss.cuda()
+    h = torch.full((R, n_ff), 7.0, device="cuda")
+    smap, dids = slot_of.cuda(), ids.cuda()
+    assert cuda_mv.experts_supported(words, qtype, xs[0], h, xs[1] if rounded else None, eb, 0)
+    cuda_mv.experts(words, qtype, delta, 0, eb // 4, n_ff, rb_gu, smap, dids, xs[0], h, True, n_used, cpu_share=share,
+                    x_miss=xs[1] if rounded else None)
+    y = torch.full((R, n_embd), 7.0, device="cuda")
+    cuda_mv.experts(words, qtype, delta, d_off // 4, eb // 4, n_embd, rb_d, smap, dids, h_in.cuda().contiguous(), y,
+                    False, n_used, wts.cuda(), cpu_share=share)
+    torch.cuda.synchronize()
+    keep = [r for r in range(R) if ref_y[r].any()]
+    assert len(keep) < R if share else len(keep) == R
+    _close(h.cpu()[keep], ref_h[keep])
+    _close(y.cpu(), ref_y)
+
+
+@gpu
+@pytest.mark.parametrize("rows,warps", [(1, 4), (2, 4), (4, 2), (2, 1)])
+@pytest.mark.parametrize("n_out,n_in", [(37, 256), (130, 2048), (9, 64)])
+def test_dense_q8_0_against_reference(rows, warps, n_out, n_in, monkeypatch):
+    monkeypatch.setenv("FLE_CUDA_MV_CONFIG", f"1,4,1,4,{rows},{warps}")
+    rng = np.random.default_rng(n_out)
+    w = torch.from_numpy(quantize(rng.standard_normal((n_out, n_in)).astype(np.float32), GGMLType.Q8_0)).cuda()
+    x = torch.randn(1, n_in, device="cuda")
+    out = torch.full((1, n_out), 7.0, device="cuda")
+    assert cuda_mv.dense_supported(w, GGMLType.Q8_0, x, out)
+    cuda_mv.dense(w, GGMLType.Q8_0, x, out)
+    _close(out.cpu(), reference.mul_mat(w.cpu(), GGMLType.Q8_0, x.cpu()))
+
+
+@gpu
+def test_captured_in_a_graph():
+    rng = np.random.default_rng(1)
+    w = torch.from_numpy(quantize(rng.standard_normal((64, 512)).astype(np.float32), GGMLType.Q8_0)).cuda()
+    x = torch.randn(1, 512, device="cuda")
+    out = torch.zeros(1, 64, device="cuda")
+    cuda_mv.dense(w, GGMLType.Q8_0, x, out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cuda_mv.dense(w, GGMLType.Q8_0, x, out)
+    x.copy_(torch.randn(1, 512, device="cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    _close(out.cpu(), reference.mul_mat(w.cpu(), GGMLType.Q8_0, x.cpu()))
