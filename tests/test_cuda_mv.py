@@ -52,6 +52,20 @@ def test_off_without_cuda_or_when_asked(monkeypatch):
     assert cuda_mv.enabled() == (CUDA and cuda_mv.DEFAULT == "1")
 
 
+@gpu
+def test_hit_mode_left_to_triton(monkeypatch):
+    """A layer whose experts are all in their slots runs Triton's kernel (measured faster there)
+    unless a launch shape is forced for tuning; the miss mode takes the CUDA C kernel."""
+    monkeypatch.delenv("FLE_CUDA_MV_CONFIG", raising=False)
+    words = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    x, out = torch.zeros(1, 256, device="cuda"), torch.zeros(1, 8, device="cuda")
+    args = (words, GGMLType.IQ4_XS, x, out, None, 1088, 544)
+    assert cuda_mv.experts_supported(*args, mode="miss") == (cuda_mv.EXPERT_CONFIG["miss"] is not None)
+    assert cuda_mv.experts_supported(*args, mode="hit") == (cuda_mv.EXPERT_CONFIG["hit"] is not None)
+    monkeypatch.setenv("FLE_CUDA_MV_CONFIG", "2,4,4,4")
+    assert cuda_mv.experts_supported(*args, mode="hit")
+
+
 def _close(a, b, tol=2e-5):
     scale = float(b.abs().max()) or 1.0
     assert float((a - b).abs().max()) <= tol * scale, float((a - b).abs().max()) / scale

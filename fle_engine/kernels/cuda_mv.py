@@ -9,9 +9,15 @@ references in :mod:`engine_ops` stay the slow, obvious twins.
 The source is compiled once per process with NVRTC (the library that
 torch's CUDA build ships) for the device's architecture and loaded through
 the driver API; launches go on torch's current stream, so they are
-captured into CUDA graphs like any kernel. ``FLE_CUDA_MV=1`` turns the
-CUDA C kernels on; off (the default until they are measured on the GPU
-machine), Triton's kernels run everywhere.
+captured into CUDA graphs like any kernel. ``FLE_CUDA_MV=0`` turns the
+CUDA C kernels off (Triton's kernels everywhere).
+
+On an H100 (``bench/engine_kernels.py --cuda``, docs/benchmarks.md,
+2026-12-06) the CUDA C kernels beat Triton's for Q8_0 dense rows (0.39-0.95
+of the device copy against 0.28-0.70) and for experts read over PCIe (0.88
+of the pinned copy against 0.79), not for a layer whose experts are all in
+their slots (25 us against Triton's 21 us): that launch ("hit" mode) stays
+Triton's.
 
 Launch shapes (output rows per warp, warps per block), per kernel and
 mode, are in :data:`EXPERT_CONFIG` and :data:`DENSE_CONFIG`, measured with
@@ -38,15 +44,21 @@ from .ptx_decode import BOOK_WORDS
 __all__ = ["enabled", "experts_supported", "experts", "dense_supported", "dense", "EXPERT_CONFIG", "DENSE_CONFIG"]
 
 SOURCE = Path(__file__).with_name("cuda_mv.cu")
-DEFAULT = "0"             # FLE_CUDA_MV when unset
+DEFAULT = "1"             # FLE_CUDA_MV when unset
 
 # (rows per warp, warps per block) of the gate+up and the down kernel, per mode ("hit": every
-# expert of every layer cached; "miss": a layer may read over PCIe). Measured on an H100
-# (bench/engine_kernels.py --cuda; docs/benchmarks.md).
-EXPERT_CONFIG = {"hit": ((2, 4), (4, 4)), "miss": ((1, 4), (2, 4))}
+# expert of every layer cached; "miss": a layer may read over PCIe); None: Triton's kernel takes
+# that mode. Measured on an H100 (bench/engine_kernels.py --cuda; docs/benchmarks.md, 2026-12-06):
+# "miss" 2,4 / 4,4 read 8 missed experts in 413 us (Triton 461), a layer with one miss in 94 us
+# (Triton 105); the best "hit" shape, 4,4 / 8,4, took 25.0 us against Triton's 21.1.
+EXPERT_CONFIG = {"hit": None, "miss": ((2, 4), (4, 4))}
 _GU_ROWS = (1, 2, 4)
 _DN_ROWS = (1, 2, 4, 8)
-DENSE_CONFIG = (2, 4)
+# (rows per warp, warps per block) of the Q8_0 product below / from DENSE_LARGE output rows:
+# 2,2 took 9.5 us for 5120 x 2048 and 2048 x 4096 (Triton 10.6 and 13.2), 4,2 143 us for the
+# 151936 x 2048 output matrix (Triton 194).
+DENSE_CONFIG = ((2, 2), (4, 2))
+DENSE_LARGE = 32768
 _DENSE_ROWS = (1, 2, 4)
 
 _IQ4_SUPER = 136          # bytes of an IQ4_XS super-block (256 values)
@@ -151,7 +163,7 @@ _LOCK = threading.Lock()
 
 
 def enabled() -> bool:
-    """Whether the CUDA C kernels are on (a CUDA device and FLE_CUDA_MV=1)."""
+    """Whether the CUDA C kernels are on (a CUDA device, FLE_CUDA_MV not 0)."""
     return os.environ.get("FLE_CUDA_MV", DEFAULT) != "0" and torch.cuda.is_available()
 
 
@@ -182,9 +194,11 @@ def _p(t: "Tensor | int") -> ctypes.c_void_p:
 
 
 def experts_supported(words: Tensor, qtype: GGMLType, x: Tensor, out: Tensor, x_miss: "Tensor | None",
-                      expert_bytes: int, part_bytes: int) -> bool:
+                      expert_bytes: int, part_bytes: int, mode: str = "miss") -> bool:
     """Whether :func:`experts` takes this call (else Triton's kernel does)."""
     if not enabled() or qtype != GGMLType.IQ4_XS or not words.is_cuda:
+        return False
+    if EXPERT_CONFIG.get(mode) is None and not _env_config():
         return False
     if not (x.dtype == out.dtype == torch.float32 and x.stride(-1) == 1 and out.stride(-1) == 1):
         return False
@@ -201,7 +215,8 @@ def _expert_config(gate_up: bool, mode: str) -> tuple[int, int]:
     env = _env_config()
     if env:
         return (env[0], env[1]) if gate_up else (env[2], env[3])
-    return EXPERT_CONFIG[mode][0 if gate_up else 1]
+    config = EXPERT_CONFIG.get(mode) or EXPERT_CONFIG["miss"]
+    return config[0 if gate_up else 1]
 
 
 def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
@@ -247,10 +262,11 @@ def dense(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> Tensor:
     """``out [1, n_out] = x [1, n_in] @ W.T`` for Q8_0 rows ``w`` (uint8
     ``[n_out, row_bytes]``); callers check :func:`dense_supported`."""
     env = _env_config()
-    rows, warps = (env[4], env[5]) if env and len(env) == 6 else DENSE_CONFIG
+    n_out = w.shape[0]
+    rows, warps = (env[4], env[5]) if env and len(env) == 6 else DENSE_CONFIG[n_out >= DENSE_LARGE]
     if rows not in _DENSE_ROWS:
         raise ValueError(f"no dense kernel with {rows} rows per warp")
-    n_out, row_bytes = w.shape[0], w.shape[-1]
+    row_bytes = w.shape[-1]
     grid = ((n_out + rows * warps - 1) // (rows * warps), 1)
     _module().launch(f"q8_0_mv_{rows}", grid, 32 * warps,
                      [_p(w), _p(x), _p(out), ctypes.c_int(n_out), ctypes.c_int(row_bytes // _Q8_BLOCK),

@@ -594,7 +594,7 @@ def _experts_fast(words: Tensor, qtype: GGMLType, host_delta: int, part_words: i
 
     word = words.element_size()
     impl = cuda_mv if cuda_mv.experts_supported(words, qtype, x, out, x_miss, expert_words * word,
-                                                part_words * word) else te
+                                                part_words * word, mode) else te
     return impl.experts(words, qtype, host_delta, part_words, expert_words, n_out, row_bytes, slot_of, ids, x, out,
                         gate_up, n_used, weights, mode=mode, cpu_share=cpu_share, x_miss=x_miss)
 
