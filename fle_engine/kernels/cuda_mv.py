@@ -164,7 +164,11 @@ _LOCK = threading.Lock()
 
 def enabled() -> bool:
     """Whether the CUDA C kernels are on (a CUDA device, FLE_CUDA_MV not 0)."""
-    return os.environ.get("FLE_CUDA_MV", DEFAULT) != "0" and torch.cuda.is_available()
+    return _switched_on() and torch.cuda.is_available()
+
+
+def _switched_on() -> bool:
+    return os.environ.get("FLE_CUDA_MV", DEFAULT) != "0"
 
 
 def _module() -> "_Module | None":
@@ -196,7 +200,7 @@ def _p(t: "Tensor | int") -> ctypes.c_void_p:
 def experts_supported(words: Tensor, qtype: GGMLType, x: Tensor, out: Tensor, x_miss: "Tensor | None",
                       expert_bytes: int, part_bytes: int, mode: str = "miss") -> bool:
     """Whether :func:`experts` takes this call (else Triton's kernel does)."""
-    if not enabled() or qtype != GGMLType.IQ4_XS or not words.is_cuda:
+    if qtype != GGMLType.IQ4_XS or not words.is_cuda or not _switched_on():     # CUDA tensors: a device
         return False
     if EXPERT_CONFIG.get(mode) is None and not _env_config():
         return False
@@ -248,7 +252,7 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
 
 def dense_supported(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> bool:
     """Whether :func:`dense` takes this product (Q8_0, one token, aligned rows)."""
-    if not enabled() or qtype != GGMLType.Q8_0 or not w.is_cuda or x.shape[0] != 1:
+    if qtype != GGMLType.Q8_0 or x.shape[0] != 1 or not w.is_cuda or not _switched_on():
         return False
     row_bytes = w.shape[-1]
     if row_bytes % (2 * _Q8_BLOCK) or not _aligned(w, 4):

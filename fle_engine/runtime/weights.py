@@ -59,7 +59,7 @@ class DenseMatrix:
         if impl == "triton":
             from ..kernels import cuda_mv, triton_quant
 
-            if x.shape[0] == 1 and cuda_mv.dense_supported(self.data, self.qtype, x, out):
+            if cuda_mv.dense_supported(self.data, self.qtype, x, out):
                 return cuda_mv.dense(self.data, self.qtype, x, out)
 
             return triton_quant.mul_mat(self.data, self.qtype, x, config=_dense_config(self.n_out, x.shape[0]),
