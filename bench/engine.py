@@ -273,21 +273,35 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
     return res
 
 
+KERNEL_SETS = {
+    "triton": {"FLE_CUDA_MV": "0"},
+    "cuda": {"FLE_CUDA_MV": "1", "FLE_CUDA_PDL": "0"},
+    # programmatic dependent launch, the weights of two row iterations (gate+up, dense) and one (down) loaded first
+    "cuda-pdl": {"FLE_CUDA_MV": "1", "FLE_CUDA_PDL": "1", "FLE_CUDA_MV_PRE": "2,1,2"},
+    # the same with the CUDA C kernels for the hit launch too (the miss launch's shapes)
+    "cuda-pdl-hit": {"FLE_CUDA_MV": "1", "FLE_CUDA_PDL": "1", "FLE_CUDA_MV_PRE": "2,1,2", "FLE_CUDA_MV_CONFIG": "2,4,4,4"},
+    "default": {},
+}
+
+
 @contextlib.contextmanager
 def _kernels(which: str):
-    """FLE's one-token kernels for the runs inside: "cuda" (FLE_CUDA_MV=1: the CUDA C kernels where
-    they apply) or "triton" (FLE_CUDA_MV=0)."""
-    if which not in ("cuda", "triton"):
-        raise SystemExit(f"--kernels: {which!r} is not cuda or triton")
-    old = os.environ.get("FLE_CUDA_MV")
-    os.environ["FLE_CUDA_MV"] = "1" if which == "cuda" else "0"
+    """FLE's one-token kernels for the runs inside, by the environment settings of KERNEL_SETS:
+    "cuda" (FLE_CUDA_MV=1: the CUDA C kernels where they apply), "cuda-pdl" (and programmatic
+    dependent launch), "cuda-pdl-hit" (also the hit launch), "triton" (FLE_CUDA_MV=0) or "default"
+    (whatever the environment says)."""
+    if which not in KERNEL_SETS:
+        raise SystemExit(f"--kernels: {which!r} is not one of {', '.join(KERNEL_SETS)}")
+    old = {k: os.environ.get(k) for k in KERNEL_SETS[which]}
+    os.environ.update(KERNEL_SETS[which])
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("FLE_CUDA_MV")
-        else:
-            os.environ["FLE_CUDA_MV"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def fle_prefill(model: Path, budget: "int | str", prompts: list[int], ubatches: list[int], reps: int,
@@ -472,9 +486,11 @@ def main(argv=None) -> int:
     p.add_argument("--mapped", action="store_true", dest="host_experts_mapped",
                    help="also an FLE run with the experts memory-mapped in the file (--host-experts mapped: every "
                         "miss on the CPU)")
-    p.add_argument("--kernels", default="cuda",
-                   help="FLE's one-token kernels, comma list: cuda (FLE_CUDA_MV=1: the CUDA C experts and Q8_0 "
-                        "dense products where they apply) and/or triton (FLE_CUDA_MV=0), each run in turn")
+    p.add_argument("--kernels", default="default",
+                   help="FLE's one-token kernels, comma list, each run in turn: default (the environment's), cuda "
+                        "(FLE_CUDA_MV=1: the CUDA C experts and Q8_0 dense products where they apply), cuda-pdl "
+                        "(with programmatic dependent launch), cuda-pdl-hit (also the hit launch), triton "
+                        "(FLE_CUDA_MV=0)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--link-gbps", type=float, default=25.0,
                    help="also print the modelled decode speed on a PCIe link of this speed (GB/s; default 25, a "

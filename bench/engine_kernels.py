@@ -377,13 +377,18 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
         res.setdefault("max_rel_diff", {})[name] = err
         print(f"experts, {name}: CUDA C against Triton, max difference {err:.2e} of the largest output", flush=True)
     bytes_layer = k * eb
-    configs = [("triton", None)] + [("cuda", c) for c in (
+    # (shape, row iterations loaded first "gu,down,dense", programmatic dependent launch)
+    configs = [("triton", None, None, "0")] + [("cuda", c, "0,0,0", "0") for c in (
         "1,4,1,4", "1,4,2,4", "2,4,2,4", "2,4,4,4", "1,8,2,8", "2,8,4,8", "4,4,8,4", "1,2,2,2", "2,2,4,2", "1,1,1,1")]
-    for impl_name, cfg in configs:
+    configs += [("cuda", c, pre, pdl) for c in ("2,4,4,4", "1,4,2,4", "4,4,8,4", "2,2,4,2", "1,8,2,8")
+                for pre, pdl in (("2,1,0", "0"), ("0,0,0", "1"), ("2,1,0", "1"), ("1,1,0", "1"))]
+    for impl_name, cfg, pre, pdl in configs:
         if cfg:
             os.environ["FLE_CUDA_MV_CONFIG"] = cfg
+            os.environ["FLE_CUDA_MV_PRE"] = pre
+        os.environ["FLE_CUDA_PDL"] = pdl
         impl = cuda_mv if cfg else te
-        row = {"impl": impl_name, "config": cfg or "defaults"}
+        row = {"impl": impl_name, "config": cfg or "defaults", "pre": pre, "pdl": pdl == "1"}
         for name, smap in maps.items():
             mode = "hit" if name == "hit" else "miss"
             t = _time_graph(lambda: [layer(impl, smap, g, mode) for g in range(groups)]) / groups
@@ -391,7 +396,14 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
             row[name + "_GBps"] = bytes_layer / t / 1e9
         res["experts"].append(row)
         print(row, flush=True)
-    os.environ.pop("FLE_CUDA_MV_CONFIG", None)
+    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_CUDA_PDL"):
+        os.environ.pop(name, None)
+    # a small elementwise kernel in front of every dense product, as in the decode step (a norm, the
+    # attention): a kernel launched with programmatic dependent launch overlaps only the end of it;
+    # its own time, measured alone, is taken off
+    pad = torch.zeros(4096, device="cuda")
+    t_pad = _time_graph(lambda: [pad.add_(1.0) for _ in range(16)]) / 16
+    res["dense_pad_us"] = t_pad * 1e6
     for name, n_out, n_in, reps in (("qkv", 5120, 2048, 16), ("wo", 2048, 4096, 16), ("output", 151936, 2048, 1)):
         mats = [torch.randint(0, 256, (n_out, n_in // 32 * 34), dtype=torch.uint8, device="cuda")
                 for _ in range(reps)]
@@ -403,21 +415,28 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
         cuda_mv.dense(mats[0], GGMLType.Q8_0, xd, yd)
         err = float((yd - ref).abs().max() / ref.abs().max())
         print(f"dense {name}: CUDA C against Triton, max difference {err:.2e}", flush=True)
-        launches = [("triton engine launch", None)] + [(f"cuda {r},{wp}", f"1,4,1,4,{r},{wp}")
-                                                        for r, wp in ((1, 4), (2, 4), (4, 4), (1, 8), (2, 8), (4, 2),
-                                                                      (2, 2), (1, 2))]
-        for launch, cfg in launches:
+        launches = [("triton engine launch", None, None, "0")] + [
+            (f"cuda {r},{wp}", f"1,4,1,4,{r},{wp}", "0,0,0", "0")
+            for r, wp in ((1, 4), (2, 4), (4, 4), (1, 8), (2, 8), (4, 2), (2, 2), (1, 2))]
+        launches += [(f"cuda {r},{wp} pre {pre}{' pdl' if pdl == '1' else ''}", f"1,4,1,4,{r},{wp}", f"0,0,{pre}", pdl)
+                     for r, wp in ((2, 2), (4, 2), (1, 4), (2, 4)) for pre in (0, 2, 4) for pdl in ("0", "1")
+                     if (pre, pdl) != (0, "0")]
+        for launch, cfg, pre, pdl in launches:
+            os.environ["FLE_CUDA_PDL"] = pdl
             if cfg:
                 os.environ["FLE_CUDA_MV_CONFIG"] = cfg
-                fn = lambda: [cuda_mv.dense(m, GGMLType.Q8_0, xd, yd) for m in mats]
+                os.environ["FLE_CUDA_MV_PRE"] = pre
+                one = lambda m: cuda_mv.dense(m, GGMLType.Q8_0, xd, yd)
             else:
-                fn = lambda: [triton_quant.mul_mat(m, GGMLType.Q8_0, xd, out=yd, config=_dense_config(n_out, 1))
-                              for m in mats]
-            t = _time_graph(fn) / reps
+                one = lambda m: triton_quant.mul_mat(m, GGMLType.Q8_0, xd, out=yd, config=_dense_config(n_out, 1))
+            t = _time_graph(lambda: [one(m) for m in mats]) / reps
+            t_after = _time_graph(lambda: [(pad.add_(1.0), one(m)) for m in mats]) / reps - t_pad
             res["dense"].append({"matrix": name, "launch": launch, "us": t * 1e6, "GBps": mats[0].numel() / t / 1e9,
+                                 "after_pad_us": t_after * 1e6, "after_pad_GBps": mats[0].numel() / t_after / 1e9,
                                  "max_rel_diff": err})
             print(res["dense"][-1], flush=True)
-        os.environ.pop("FLE_CUDA_MV_CONFIG", None)
+        for name_ in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_CUDA_PDL"):
+            os.environ.pop(name_, None)
     return res
 
 
@@ -457,21 +476,26 @@ def main(argv=None) -> int:
     res = {"ceilings": ceilings()}
     print(res["ceilings"], flush=True)
     if args.cuda:
+        res["read_ceiling"] = read_ceiling()
+        print(res["read_ceiling"], flush=True)
         res.update(cuda_bench())
         hbm, pin = res["ceilings"]["hbm_copy_GBps"], res["ceilings"]["pinned_h2d_GBps"]
         for name, ceil, unit in (("hit", hbm, "of the device copy"), ("one miss", hbm, "of the device copy"),
                                  ("miss", pin, "of the pinned copy")):
-            for impl in ("triton", "cuda"):
-                rs = [r for r in res["experts"] if r["impl"] == impl]
+            for impl, pdl in (("triton", False), ("cuda", False), ("cuda", True)):
+                rs = [r for r in res["experts"] if r["impl"] == impl and r["pdl"] == pdl]
                 b = min(rs, key=lambda r: r[name + "_us"])
-                print(f"experts, {name}: {impl} best {b['config']} {b[name + '_us']:.1f} us, "
-                      f"{b[name + '_GBps']:.0f} GB/s = {b[name + '_GBps'] / ceil:.2f} {unit}")
+                print(f"experts, {name}: {impl}{' pdl' if pdl else ''} best {b['config']} pre {b['pre']} "
+                      f"{b[name + '_us']:.1f} us, {b[name + '_GBps']:.0f} GB/s = {b[name + '_GBps'] / ceil:.2f} {unit}")
         for name in ("qkv", "wo", "output"):
             for impl in ("triton", "cuda"):
                 rs = [r for r in res["dense"] if r["matrix"] == name and r["launch"].startswith(impl)]
                 b = min(rs, key=lambda r: r["us"])
                 print(f"dense {name}: {impl} best {b['launch']} {b['us']:.1f} us, {b['GBps']:.0f} GB/s = "
                       f"{b['GBps'] / hbm:.2f} of the device copy")
+                b = min(rs, key=lambda r: r["after_pad_us"])
+                print(f"dense {name} after a small kernel: {impl} best {b['launch']} {b['after_pad_us']:.1f} us, "
+                      f"{b['after_pad_GBps']:.0f} GB/s = {b['after_pad_GBps'] / hbm:.2f} of the device copy")
         if args.json:
             args.json.write_text(json.dumps(res, indent=1))
         return 0

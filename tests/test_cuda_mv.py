@@ -25,8 +25,23 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 @pytest.fixture(autouse=True)
 def _on(monkeypatch):
-    """The kernels on, whatever the default (a test may turn them off)."""
+    """The kernels on, whatever the default (a test may turn them off); launch settings from
+    the test alone."""
     monkeypatch.setenv("FLE_CUDA_MV", "1")
+    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_CUDA_PDL"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_pre_variant_choice():
+    """The compiled variant for the iterations asked: never more than a row has, rounded up to
+    one that exists."""
+    have = (0, 1, 2, 4)
+    assert cuda_mv._pre_kernel(0, 5, have) == 0
+    assert cuda_mv._pre_kernel(2, 1, have) == 1
+    assert cuda_mv._pre_kernel(3, 5, have) == 4
+    assert cuda_mv._pre_kernel(4, 2, have) == 2
+    assert cuda_mv._pre_kernel(8, 9, have) == 4
+    assert cuda_mv._pre_kernel(2, 3, (0, 1, 2)) == 2
 
 
 def test_source_compiles(tmp_path):
@@ -71,14 +86,10 @@ def _close(a, b, tol=2e-5):
     assert float((a - b).abs().max()) <= tol * scale, float((a - b).abs().max()) / scale
 
 
-@gpu
-@pytest.mark.parametrize("config", ["1,4,1,4", "2,4,4,4", "4,2,8,1", "1,1,2,2"])
-@pytest.mark.parametrize("share,rounded", [(0, False), (128, False), (0, True)])
-def test_experts_against_reference(config, share, rounded, monkeypatch):
-    monkeypatch.setenv("FLE_CUDA_MV_CONFIG", config)
+def _experts_case(share: bool, rounded: bool, n_embd: int = 512):
     qtype = GGMLType.IQ4_XS
     rng = np.random.default_rng(5)
-    n_exp, n_ff, n_embd, n_used, T = 7, 40, 512, 3, 3          # 40 rows: warps with rows past the end
+    n_exp, n_ff, n_used, T = 7, 40, 3, 3          # 40 rows: warps with rows past the end
     rb_gu, rb_d = n_embd // 256 * 136, 256 // 256 * 136       # down: 256 inputs (n_ff padded as the engine pads)
     gu = quantize(rng.standard_normal((n_exp * 2 * n_ff, n_embd)).astype(np.float32) * 0.1, qtype)
     dn = quantize(rng.standard_normal((n_exp * n_embd, 256)).astype(np.float32) * 0.1, qtype)
@@ -130,10 +141,35 @@ def test_experts_against_reference(config, share, rounded, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("config", ["1,4,1,4", "2,4,4,4", "4,2,8,1", "1,1,2,2"])
+@pytest.mark.parametrize("share,rounded", [(0, False), (128, False), (0, True)])
+def test_experts_against_reference(config, share, rounded, monkeypatch):
+    monkeypatch.setenv("FLE_CUDA_MV_CONFIG", config)
+    _experts_case(share, rounded)
+
+
+@gpu
+@pytest.mark.parametrize("pre", ["0,0,0", "1,1,0", "2,2,0"])
+@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize("share,rounded", [(0, False), (128, True)])
+def test_experts_loads_first_and_pdl(pre, pdl, share, rounded, monkeypatch):
+    """Rows of 72 sub-blocks (three iterations: loaded first, then the loop), with and without
+    programmatic dependent launch."""
+    monkeypatch.setenv("FLE_CUDA_MV_CONFIG", "2,4,4,4")
+    monkeypatch.setenv("FLE_CUDA_MV_PRE", pre)
+    monkeypatch.setenv("FLE_CUDA_PDL", pdl)
+    _experts_case(share, rounded, n_embd=2304)
+
+
+@gpu
 @pytest.mark.parametrize("rows,warps", [(1, 4), (2, 4), (4, 2), (2, 1)])
 @pytest.mark.parametrize("n_out,n_in", [(37, 256), (130, 2048), (9, 64)])
 def test_dense_q8_0_against_reference(rows, warps, n_out, n_in, monkeypatch):
     monkeypatch.setenv("FLE_CUDA_MV_CONFIG", f"1,4,1,4,{rows},{warps}")
+    _dense_case(n_out, n_in)
+
+
+def _dense_case(n_out, n_in):
     rng = np.random.default_rng(n_out)
     w = torch.from_numpy(quantize(rng.standard_normal((n_out, n_in)).astype(np.float32), GGMLType.Q8_0)).cuda()
     x = torch.randn(1, n_in, device="cuda")
@@ -141,6 +177,79 @@ def test_dense_q8_0_against_reference(rows, warps, n_out, n_in, monkeypatch):
     assert cuda_mv.dense_supported(w, GGMLType.Q8_0, x, out)
     cuda_mv.dense(w, GGMLType.Q8_0, x, out)
     _close(out.cpu(), reference.mul_mat(w.cpu(), GGMLType.Q8_0, x.cpu()))
+
+
+@gpu
+@pytest.mark.parametrize("pre", [0, 1, 2, 4])
+@pytest.mark.parametrize("pdl", ["0", "1"])
+@pytest.mark.parametrize("n_out,n_in", [(37, 4160), (130, 2048)])
+def test_dense_loads_first_and_pdl(pre, pdl, n_out, n_in, monkeypatch):
+    monkeypatch.setenv("FLE_CUDA_MV_CONFIG", "1,4,1,4,2,2")
+    monkeypatch.setenv("FLE_CUDA_MV_PRE", f"0,0,{pre}")
+    monkeypatch.setenv("FLE_CUDA_PDL", pdl)
+    _dense_case(n_out, n_in)
+
+
+@gpu
+def test_pdl_chain_in_a_graph(monkeypatch):
+    """Each kernel reads what the one before it wrote, launched with programmatic dependent
+    launch and loading its weights first: a dense product feeding a dense product feeding the
+    experts (gate+up, then down), captured and replayed on new inputs, equals the references."""
+    monkeypatch.setenv("FLE_CUDA_PDL", "1")
+    monkeypatch.setenv("FLE_CUDA_MV_CONFIG", "2,4,4,4,2,2")
+    monkeypatch.setenv("FLE_CUDA_MV_PRE", "2,1,2")
+    qtype = GGMLType.IQ4_XS
+    rng = np.random.default_rng(3)
+    n_in, n_embd, n_ff, n_exp, k = 1024, 512, 256, 4, 2
+    wa = torch.from_numpy(quantize(rng.standard_normal((4096, n_in)).astype(np.float32) * 0.05, GGMLType.Q8_0))
+    wb = torch.from_numpy(quantize(rng.standard_normal((n_embd, 4096)).astype(np.float32) * 0.05, GGMLType.Q8_0))
+    rb_gu, rb_d = n_embd // 256 * 136, n_ff // 256 * 136
+    gu = quantize(rng.standard_normal((n_exp * 2 * n_ff, n_embd)).astype(np.float32) * 0.1, qtype)
+    dn = quantize(rng.standard_normal((n_exp * n_embd, n_ff)).astype(np.float32) * 0.1, qtype)
+    d_off = 2 * n_ff * rb_gu
+    eb = d_off + n_embd * rb_d
+    host = torch.zeros(n_exp, eb, dtype=torch.uint8)
+    host[:, :d_off] = torch.from_numpy(gu.reshape(n_exp, -1))
+    host[:, d_off:] = torch.from_numpy(dn.reshape(n_exp, -1))
+    slot_of = torch.arange(n_exp, dtype=torch.int32)
+    ids = torch.tensor([3, 1], dtype=torch.int64)
+    wts = torch.tensor([0.7, 0.3])
+    dwa, dwb, slots = wa.cuda(), wb.cuda(), host.cuda()
+    words = slots.view(-1).view(torch.int32)
+    x = torch.zeros(1, n_in, device="cuda")
+    a = torch.zeros(1, 4096, device="cuda")
+    b = torch.zeros(1, n_embd, device="cuda")
+    h = torch.zeros(k, n_ff, device="cuda")
+    y = torch.zeros(k, n_embd, device="cuda")
+    smap, dids, dw = slot_of.cuda(), ids.cuda(), wts.cuda()
+
+    def chain():
+        cuda_mv.dense(dwa, GGMLType.Q8_0, x, a)
+        cuda_mv.dense(dwb, GGMLType.Q8_0, a, b)
+        cuda_mv.experts(words, qtype, 0, 0, eb // 4, n_ff, rb_gu, smap, dids, b, h, True, k, mode="hit")
+        cuda_mv.experts(words, qtype, 0, d_off // 4, eb // 4, n_embd, rb_d, smap, dids, h, y, False, k, dw,
+                        mode="hit")
+
+    chain()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain()
+    st = engine_ops.ExpertWords(host, host, 4)
+    for seed in range(3):
+        xin = torch.from_numpy(np.random.default_rng(seed).standard_normal((1, n_in)).astype(np.float32))
+        x.copy_(xin)
+        g.replay()
+        torch.cuda.synchronize()
+        ra = reference.mul_mat(wa, GGMLType.Q8_0, xin)
+        rb = reference.mul_mat(wb, GGMLType.Q8_0, a.cpu())
+        _close(a.cpu(), ra)
+        _close(b.cpu(), rb)
+        rh = torch.zeros(k, n_ff)
+        engine_ops.experts_ref(st, qtype, 0, 0, 0, n_ff, rb_gu, slot_of, ids, b.cpu(), rh, True, k)
+        _close(h.cpu(), rh)
+        ry = torch.zeros(k, n_embd)
+        engine_ops.experts_ref(st, qtype, 0, d_off // 4, 0, n_embd, rb_d, slot_of, ids, h.cpu(), ry, False, k, wts)
+        _close(y.cpu(), ry)
 
 
 @gpu

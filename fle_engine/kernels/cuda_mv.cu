@@ -7,6 +7,18 @@
 // through byte permutes into the float 2^23's low byte (see ptx_decode.py),
 // not the conversion unit.
 //
+// Programmatic dependent launch (sm_90+; cuda_mv.py launches with it when
+// FLE_CUDA_PDL is on): a kernel may start while the one before it in the
+// stream ends. Until griddepcontrol.wait returns a kernel reads only what
+// was complete before the kernel in front of it started (weights, and for
+// the down product the routed ids and the slot map, which the gate+up
+// launch in front of it waited for) and writes nothing; each kernel lets
+// its own dependents start (launch_dependents) only after its wait, so
+// that rule holds down the chain. Without the launch attribute both
+// instructions return at once. PRE: the row iterations whose weight words a
+// lane loads into registers before any product (and, but for gate+up,
+// before the wait); the rest stream in a loop.
+//
 // KV0..KV3 (the IQ4 code book + 128, as four words) are defined by the
 // loader in front of this source.
 
@@ -20,6 +32,18 @@ __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+}
+
+__device__ __forceinline__ void grid_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_release() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -64,20 +88,35 @@ __device__ __forceinline__ float q8_dot(u32 q, const float4 x) {
 // ---------------------------------------------------------------------------
 // IQ4_XS super-block (136 bytes): f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128]; sub-block ib
 // (32 values) has scale d * (ls - 32), ls = 4 bits of scales_l[ib / 2] | 2 bits of scales_h << 4,
-// and its 16 bytes of qs at 8 + 16 ib. The row's sub-block `it` of a row at `row` (8-byte aligned).
-__device__ __forceinline__ float iq4xs_sub(const char* row, int it, const float4 (&xl)[4], const float4 (&xh)[4]) {
+// and its 16 bytes of qs at 8 + 16 ib. A row's sub-block `it` (the row 8-byte aligned): its
+// super-block's head and its 16 bytes of quants, loaded, then dotted with 32 activations.
+struct Iq4Sub {
+    uint2 hd, qa, qb;
+};
+
+__device__ __forceinline__ Iq4Sub iq4xs_load(const char* row, int it) {
     const int sb = it >> 3, ib = it & 7;
     const char* p = row + (i64)sb * 136;
-    const uint2 hd = __ldg((const uint2*)p);
-    const uint2 qa = __ldg((const uint2*)(p + 8 + 16 * ib));
-    const uint2 qb = __ldg((const uint2*)(p + 16 + 16 * ib));
-    const u32 ls = ((hd.y >> (4 * ib)) & 0xFu) | (((hd.x >> (16 + 2 * ib)) & 3u) << 4);
-    const float dl = h2f((u16)(hd.x & 0xFFFFu)) * (float)((int)ls - 32);
-    float s = iq4_dot(qa.x, xl[0], xh[0]);
-    s += iq4_dot(qa.y, xl[1], xh[1]);
-    s += iq4_dot(qb.x, xl[2], xh[2]);
-    s += iq4_dot(qb.y, xl[3], xh[3]);
+    Iq4Sub w;
+    w.hd = __ldg((const uint2*)p);
+    w.qa = __ldg((const uint2*)(p + 8 + 16 * ib));
+    w.qb = __ldg((const uint2*)(p + 16 + 16 * ib));
+    return w;
+}
+
+__device__ __forceinline__ float iq4xs_dot(const Iq4Sub& w, int it, const float4 (&xl)[4], const float4 (&xh)[4]) {
+    const int ib = it & 7;
+    const u32 ls = ((w.hd.y >> (4 * ib)) & 0xFu) | (((w.hd.x >> (16 + 2 * ib)) & 3u) << 4);
+    const float dl = h2f((u16)(w.hd.x & 0xFFFFu)) * (float)((int)ls - 32);
+    float s = iq4_dot(w.qa.x, xl[0], xh[0]);
+    s += iq4_dot(w.qa.y, xl[1], xh[1]);
+    s += iq4_dot(w.qb.x, xl[2], xh[2]);
+    s += iq4_dot(w.qb.y, xl[3], xh[3]);
     return dl * s;
+}
+
+__device__ __forceinline__ float iq4xs_sub(const char* row, int it, const float4 (&xl)[4], const float4 (&xh)[4]) {
+    return iq4xs_dot(iq4xs_load(row, it), it, xl, xh);
 }
 
 // The routed experts of one step (any number of tokens T, rows r = t * n_used + k), one matrix
@@ -87,11 +126,16 @@ __device__ __forceinline__ float iq4xs_sub(const char* row, int it, const float4
 // over PCIe). cpu_share (0..256): the last round(n_miss * share / 256) misses of each token are the
 // CPU's (runtime.split), skipped here (their down rows written as zeros). A missed expert reads its
 // activations x_miss_delta elements away from x (their rounded copy) when that is not 0.
-template <int GU, int OPW>
+template <int GU, int OPW, int PRE>
 __device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,
                                               const int* slot_of, const i64* ids, const float* wts, const float* x,
                                               float* y, int n_out, int n_sub, i64 row_bytes, int n_used,
                                               int stride_x, int stride_y, int cpu_share, i64 x_miss_delta) {
+    constexpr bool EARLY = !GU && PRE > 0;       // the down product's weights are read before the wait
+    if (!EARLY) {
+        grid_wait();
+        grid_release();
+    }
     const int r = blockIdx.y;
     const int lane = threadIdx.x & 31;
     const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
@@ -108,19 +152,49 @@ __device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, 
         }
         const int n_cpu = (n_miss * cpu_share + 128) >> 8;
         if (rank >= n_miss - n_cpu) {
+            if (EARLY) grid_wait();
             if (!GU && lane < OPW && o0 + lane < n_out) y[(i64)r * stride_y + o0 + lane] = 0.0f;
             return;
         }
     }
     const char* ex = (s >= 0) ? base + (i64)s * expert_bytes : base + host_delta + e * expert_bytes;
     const char* m = ex + part_bytes;
-    const float* xr = x + (i64)(GU ? r / n_used : r) * stride_x + (s < 0 ? x_miss_delta : 0);
     constexpr int NR = GU ? 2 * OPW : OPW;
+    Iq4Sub pre[PRE > 0 ? PRE : 1][NR];
+#pragma unroll
+    for (int j = 0; j < PRE; ++j) {
+        const int it = lane + 32 * j;
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+            const int o = o0 + (GU ? (i >> 1) : i);
+            if (it < n_sub && o < n_out) {
+                const i64 row = GU ? (i64)o + (i & 1) * (i64)n_out : (i64)o;
+                pre[j][i] = iq4xs_load(m + row * row_bytes, it);
+            }
+        }
+    }
+    if (EARLY) {
+        grid_wait();
+        grid_release();
+    }
+    const float* xr = x + (i64)(GU ? r / n_used : r) * stride_x + (s < 0 ? x_miss_delta : 0);
     float acc[NR];
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PRE; ++j) {
+        const int it = lane + 32 * j;
+        if (it < n_sub) {
+            const float4* xp = (const float4*)(xr + 32 * it);
+            const float4 xl[4] = {xp[0], xp[1], xp[2], xp[3]};
+            const float4 xh[4] = {xp[4], xp[5], xp[6], xp[7]};
+#pragma unroll
+            for (int i = 0; i < NR; ++i)
+                if (o0 + (GU ? (i >> 1) : i) < n_out) acc[i] += iq4xs_dot(pre[j][i], it, xl, xh);
+        }
+    }
 #pragma unroll 2
-    for (int it = lane; it < n_sub; it += 32) {
+    for (int it = lane + 32 * PRE; it < n_sub; it += 32) {
         const float4* xp = (const float4*)(xr + 32 * it);
         const float4 xl[4] = {xp[0], xp[1], xp[2], xp[3]};
         const float4 xh[4] = {xp[4], xp[5], xp[6], xp[7]};
@@ -154,34 +228,40 @@ __device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, 
     }
 }
 
-#define EXPERTS(NAME, GU, OPW)                                                                                      \
+#define EXPERTS(NAME, GU, OPW, PRE)                                                                                 \
     extern "C" __global__ void NAME(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,            \
                                     const int* slot_of, const i64* ids, const float* wts, const float* x, float* y, \
                                     int n_out, int n_sub, i64 row_bytes, int n_used, int stride_x, int stride_y,   \
                                     int cpu_share, i64 x_miss_delta) {                                             \
-        iq4xs_experts<GU, OPW>(base, host_delta, part_bytes, expert_bytes, slot_of, ids, wts, x, y, n_out, n_sub, \
-                               row_bytes, n_used, stride_x, stride_y, cpu_share, x_miss_delta);                   \
+        iq4xs_experts<GU, OPW, PRE>(base, host_delta, part_bytes, expert_bytes, slot_of, ids, wts, x, y, n_out,     \
+                                    n_sub, row_bytes, n_used, stride_x, stride_y, cpu_share, x_miss_delta);        \
     }
 
-EXPERTS(iq4xs_gu_1, 1, 1)
-EXPERTS(iq4xs_gu_2, 1, 2)
-EXPERTS(iq4xs_gu_4, 1, 4)
-EXPERTS(iq4xs_dn_1, 0, 1)
-EXPERTS(iq4xs_dn_2, 0, 2)
-EXPERTS(iq4xs_dn_4, 0, 4)
-EXPERTS(iq4xs_dn_8, 0, 8)
+#define EXPERTS_PRE(GU_OR_DN, GU, OPW)                      \
+    EXPERTS(iq4xs_##GU_OR_DN##_##OPW##_p0, GU, OPW, 0)      \
+    EXPERTS(iq4xs_##GU_OR_DN##_##OPW##_p1, GU, OPW, 1)      \
+    EXPERTS(iq4xs_##GU_OR_DN##_##OPW##_p2, GU, OPW, 2)
+
+EXPERTS_PRE(gu, 1, 1)
+EXPERTS_PRE(gu, 1, 2)
+EXPERTS_PRE(gu, 1, 4)
+EXPERTS_PRE(dn, 0, 1)
+EXPERTS_PRE(dn, 0, 2)
+EXPERTS_PRE(dn, 0, 4)
+EXPERTS_PRE(dn, 0, 8)
 
 // ---------------------------------------------------------------------------
 // Q8_0 (34-byte blocks: f16 d, 32 int8): y[o] = sum over the row's blocks of d * (q . x). A block
 // at an even index starts 4-byte aligned, at an odd one 2 bytes past; the nine words from the
 // aligned address below the block hold it whole.
-__device__ __forceinline__ float q8_0_block(const char* row, int b, const float4 (&xv)[8]) {
-    const char* p = row + 34 * b;
-    const int odd = b & 1;
-    const u32* w = (const u32*)(p - 2 * odd);
-    u32 v[9];
+__device__ __forceinline__ void q8_0_load(const char* row, int b, u32 (&v)[9]) {
+    const u32* w = (const u32*)(row + 34 * b - 2 * (b & 1));
 #pragma unroll
     for (int i = 0; i < 9; ++i) v[i] = __ldg(w + i);
+}
+
+__device__ __forceinline__ float q8_0_dot(const u32 (&v)[9], int b, const float4 (&xv)[8]) {
+    const int odd = b & 1;
     const float d = h2f((u16)(odd ? (v[0] >> 16) : (v[0] & 0xFFFFu)));
     float s = 0.0f;
 #pragma unroll
@@ -193,24 +273,51 @@ __device__ __forceinline__ float q8_0_block(const char* row, int b, const float4
     return d * s;
 }
 
-template <int OPW>
+template <int OPW, int PRE>
 __device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y, int n_out, int n_blocks,
                                         i64 row_bytes) {
     const int lane = threadIdx.x & 31;
     const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
     if (o0 >= n_out) return;
+    u32 pre[PRE > 0 ? PRE : 1][OPW][9];             // weights only: read before the wait
+#pragma unroll
+    for (int j = 0; j < PRE; ++j) {
+        const int b = lane + 32 * j;
+#pragma unroll
+        for (int i = 0; i < OPW; ++i)
+            if (b < n_blocks && o0 + i < n_out) q8_0_load(w + (i64)(o0 + i) * row_bytes, b, pre[j][i]);
+    }
+    grid_wait();
+    grid_release();
     float acc[OPW];
 #pragma unroll
     for (int i = 0; i < OPW; ++i) acc[i] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PRE; ++j) {
+        const int b = lane + 32 * j;
+        if (b < n_blocks) {
+            const float4* xp = (const float4*)(x + 32 * b);
+            float4 xv[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) xv[i] = xp[i];
+#pragma unroll
+            for (int i = 0; i < OPW; ++i)
+                if (o0 + i < n_out) acc[i] += q8_0_dot(pre[j][i], b, xv);
+        }
+    }
 #pragma unroll 2
-    for (int b = lane; b < n_blocks; b += 32) {
+    for (int b = lane + 32 * PRE; b < n_blocks; b += 32) {
         const float4* xp = (const float4*)(x + 32 * b);
         float4 xv[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) xv[i] = xp[i];
 #pragma unroll
         for (int i = 0; i < OPW; ++i)
-            if (o0 + i < n_out) acc[i] += q8_0_block(w + (i64)(o0 + i) * row_bytes, b, xv);
+            if (o0 + i < n_out) {
+                u32 v[9];
+                q8_0_load(w + (i64)(o0 + i) * row_bytes, b, v);
+                acc[i] += q8_0_dot(v, b, xv);
+            }
     }
 #pragma unroll
     for (int i = 0; i < OPW; ++i) acc[i] = warp_sum(acc[i]);
@@ -221,12 +328,18 @@ __device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y,
     }
 }
 
-#define Q8MV(NAME, OPW)                                                                                  \
+#define Q8MV(NAME, OPW, PRE)                                                                             \
     extern "C" __global__ void NAME(const char* w, const float* x, float* y, int n_out, int n_blocks,   \
                                     i64 row_bytes) {                                                     \
-        q8_0_mv<OPW>(w, x, y, n_out, n_blocks, row_bytes);                                               \
+        q8_0_mv<OPW, PRE>(w, x, y, n_out, n_blocks, row_bytes);                                          \
     }
 
-Q8MV(q8_0_mv_1, 1)
-Q8MV(q8_0_mv_2, 2)
-Q8MV(q8_0_mv_4, 4)
+#define Q8MV_PRE(OPW)                     \
+    Q8MV(q8_0_mv_##OPW##_p0, OPW, 0)      \
+    Q8MV(q8_0_mv_##OPW##_p1, OPW, 1)      \
+    Q8MV(q8_0_mv_##OPW##_p2, OPW, 2)      \
+    Q8MV(q8_0_mv_##OPW##_p4, OPW, 4)
+
+Q8MV_PRE(1)
+Q8MV_PRE(2)
+Q8MV_PRE(4)

@@ -19,10 +19,18 @@ of the pinned copy against 0.79), not for a layer whose experts are all in
 their slots (25 us against Triton's 21 us): that launch ("hit" mode) stays
 Triton's.
 
-Launch shapes (output rows per warp, warps per block), per kernel and
-mode, are in :data:`EXPERT_CONFIG` and :data:`DENSE_CONFIG`, measured with
-``bench/engine_kernels.py --cuda``; ``FLE_CUDA_MV_CONFIG`` overrides them
-for tuning (``gu_rows,gu_warps,down_rows,down_warps[,dense_rows,dense_warps]``).
+Launch shapes (output rows per warp, warps per block, row iterations
+whose weights a lane loads into registers first), per kernel and mode, are
+in :data:`EXPERT_CONFIG` and :data:`DENSE_CONFIG`, measured with
+``bench/engine_kernels.py --cuda``; ``FLE_CUDA_MV_CONFIG`` overrides the
+shapes for tuning (``gu_rows,gu_warps,down_rows,down_warps[,dense_rows,dense_warps]``)
+and ``FLE_CUDA_MV_PRE`` the loads first (``gu,down,dense``).
+
+``FLE_CUDA_PDL=1`` launches the kernels with programmatic dependent launch
+(sm_90+, :data:`PDL_DEFAULT` when unset): a kernel may start while the one
+before it ends, and the down product and dense products load their
+weights before they wait for it (``cuda_mv.cu`` says what may be read
+early).
 """
 from __future__ import annotations
 
@@ -51,15 +59,19 @@ DEFAULT = "1"             # FLE_CUDA_MV when unset
 # that mode. Measured on an H100 (bench/engine_kernels.py --cuda; docs/benchmarks.md, 2026-12-06):
 # "miss" 2,4 / 4,4 read 8 missed experts in 413 us (Triton 461), a layer with one miss in 94 us
 # (Triton 105); the best "hit" shape, 4,4 / 8,4, took 25.0 us against Triton's 21.1.
-EXPERT_CONFIG = {"hit": None, "miss": ((2, 4), (4, 4))}
+# The third number of each: the row iterations loaded first (0: none; cuda_mv.cu's PRE).
+EXPERT_CONFIG = {"hit": None, "miss": ((2, 4, 0), (4, 4, 0))}
 _GU_ROWS = (1, 2, 4)
 _DN_ROWS = (1, 2, 4, 8)
+_EXPERT_PRE = (0, 1, 2)
 # (rows per warp, warps per block) of the Q8_0 product below / from DENSE_LARGE output rows:
 # 2,2 took 9.5 us for 5120 x 2048 and 2048 x 4096 (Triton 10.6 and 13.2), 4,2 143 us for the
 # 151936 x 2048 output matrix (Triton 194).
-DENSE_CONFIG = ((2, 2), (4, 2))
+DENSE_CONFIG = ((2, 2, 0), (4, 2, 0))
 DENSE_LARGE = 32768
 _DENSE_ROWS = (1, 2, 4)
+_DENSE_PRE = (0, 1, 2, 4)
+PDL_DEFAULT = "0"         # FLE_CUDA_PDL when unset
 
 _IQ4_SUPER = 136          # bytes of an IQ4_XS super-block (256 values)
 _Q8_BLOCK = 34
@@ -73,6 +85,37 @@ def _env_config():
     if len(v) not in (4, 6):
         raise ValueError("FLE_CUDA_MV_CONFIG takes gu_rows,gu_warps,down_rows,down_warps[,dense_rows,dense_warps]")
     return v
+
+
+def _env_pre():
+    env = os.environ.get("FLE_CUDA_MV_PRE")
+    if not env:
+        return None
+    v = [int(x) for x in env.split(",")]
+    if len(v) != 3:
+        raise ValueError("FLE_CUDA_MV_PRE takes gu,down,dense (row iterations loaded first)")
+    return v
+
+
+def _pre_kernel(pre: int, n_iter: int, have: tuple) -> int:
+    """The compiled PRE variant for ``pre`` iterations asked on rows of ``n_iter``: no more than
+    the row has, rounded up to one that exists."""
+    want = min(pre, n_iter)
+    return min(p for p in have if p >= want) if want <= have[-1] else have[-1]
+
+
+class _LaunchAttr(ctypes.Structure):          # CUlaunchAttribute: an id, then a 64-byte value union at 8
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):        # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6     # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 def _check(res: int, what: str) -> None:
@@ -122,6 +165,12 @@ class _Module:
         nv.nvrtcDestroyProgram(ctypes.byref(prog))
         self.cuda = ctypes.CDLL("libcuda.so.1")
         self.cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        self.launch_ex = getattr(self.cuda, "cuLaunchKernelEx", None) if major >= 9 else None
+        if self.launch_ex is not None:
+            self.launch_ex.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_void_p]
+            self.pdl_attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+            self.pdl_attr.value[0] = 1
         self.device = dev
         cu_dev = ctypes.c_int()
         _check(self.cuda.cuDeviceGet(ctypes.byref(cu_dev), dev), "cuDeviceGet")
@@ -153,6 +202,10 @@ class _Module:
             self.local.ctx_ok = True
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
         stream = torch.cuda.current_stream().cuda_stream
+        if self.launch_ex is not None and pdl_on():
+            cfg = _LaunchConfig(grid[0], grid[1], 1, block, 1, 1, 0, stream, ctypes.pointer(self.pdl_attr), 1)
+            _check(self.launch_ex(ctypes.byref(cfg), self.func(name), params, None), f"launch of {name}")
+            return
         _check(self.cuda.cuLaunchKernel(self.func(name), grid[0], grid[1], 1, block, 1, 1, 0, stream, params, None),
                f"launch of {name}")
 
@@ -169,6 +222,12 @@ def enabled() -> bool:
 
 def _switched_on() -> bool:
     return os.environ.get("FLE_CUDA_MV", DEFAULT) != "0"
+
+
+def pdl_on() -> bool:
+    """Whether launches ask for programmatic dependent launch (FLE_CUDA_PDL; taken where the
+    device has it, sm_90+)."""
+    return os.environ.get("FLE_CUDA_PDL", PDL_DEFAULT) != "0"
 
 
 def _module() -> "_Module | None":
@@ -215,12 +274,15 @@ def experts_supported(words: Tensor, qtype: GGMLType, x: Tensor, out: Tensor, x_
     return _module() is not None
 
 
-def _expert_config(gate_up: bool, mode: str) -> tuple[int, int]:
-    env = _env_config()
-    if env:
-        return (env[0], env[1]) if gate_up else (env[2], env[3])
+def _expert_config(gate_up: bool, mode: str) -> tuple[int, int, int]:
     config = EXPERT_CONFIG.get(mode) or EXPERT_CONFIG["miss"]
-    return config[0 if gate_up else 1]
+    rows, warps, pre = config[0 if gate_up else 1]
+    env, env_pre = _env_config(), _env_pre()
+    if env:
+        rows, warps = (env[0], env[1]) if gate_up else (env[2], env[3])
+    if env_pre:
+        pre = env_pre[0 if gate_up else 1]
+    return rows, warps, pre
 
 
 def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
@@ -230,11 +292,12 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
     """:func:`triton_engine.experts` (same arguments and result) for IQ4_XS
     experts in the CUDA C kernel; callers check :func:`experts_supported`."""
     word = words.element_size()
-    rows, warps = _expert_config(gate_up, mode)
+    rows, warps, pre = _expert_config(gate_up, mode)
     if rows not in (_GU_ROWS if gate_up else _DN_ROWS):
         raise ValueError(f"no {'gate+up' if gate_up else 'down'} kernel with {rows} rows per warp")
     kind = "gu" if gate_up else "dn"
     n_sub = row_bytes // _IQ4_SUPER * 8
+    pre = _pre_kernel(pre, (n_sub + 31) // 32, _EXPERT_PRE)
     x_delta = 0 if x_miss is None else (x_miss.data_ptr() - x.data_ptr()) // 4
     grid = ((n_out + rows * warps - 1) // (rows * warps), ids.shape[0])
     args = [_p(words), ctypes.c_longlong(host_delta * word), ctypes.c_longlong(part_words * word),
@@ -242,7 +305,7 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
             _p(x), _p(out), ctypes.c_int(n_out), ctypes.c_int(n_sub), ctypes.c_longlong(row_bytes),
             ctypes.c_int(n_used), ctypes.c_int(x.stride(0)), ctypes.c_int(out.stride(0)), ctypes.c_int(int(cpu_share)),
             ctypes.c_longlong(x_delta)]
-    _module().launch(f"iq4xs_{kind}_{rows}", grid, 32 * warps, args)
+    _module().launch(f"iq4xs_{kind}_{rows}_p{pre}", grid, 32 * warps, args)
     return out
 
 
@@ -265,14 +328,19 @@ def dense_supported(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> bool:
 def dense(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> Tensor:
     """``out [1, n_out] = x [1, n_in] @ W.T`` for Q8_0 rows ``w`` (uint8
     ``[n_out, row_bytes]``); callers check :func:`dense_supported`."""
-    env = _env_config()
+    env, env_pre = _env_config(), _env_pre()
     n_out = w.shape[0]
-    rows, warps = (env[4], env[5]) if env and len(env) == 6 else DENSE_CONFIG[n_out >= DENSE_LARGE]
+    rows, warps, pre = DENSE_CONFIG[n_out >= DENSE_LARGE]
+    if env and len(env) == 6:
+        rows, warps = env[4], env[5]
+    if env_pre:
+        pre = env_pre[2]
     if rows not in _DENSE_ROWS:
         raise ValueError(f"no dense kernel with {rows} rows per warp")
     row_bytes = w.shape[-1]
+    pre = _pre_kernel(pre, (row_bytes // _Q8_BLOCK + 31) // 32, _DENSE_PRE)
     grid = ((n_out + rows * warps - 1) // (rows * warps), 1)
-    _module().launch(f"q8_0_mv_{rows}", grid, 32 * warps,
+    _module().launch(f"q8_0_mv_{rows}_p{pre}", grid, 32 * warps,
                      [_p(w), _p(x), _p(out), ctypes.c_int(n_out), ctypes.c_int(row_bytes // _Q8_BLOCK),
                       ctypes.c_longlong(row_bytes)])
     return out
