@@ -362,10 +362,16 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
         one[ids[g][0]] = -1                      # the first expert of each layer's 8 is missed
     maps["one miss"] = one
 
-    def layer(impl, smap, g, mode):
+    def gate_up(impl, smap, g, mode):
         impl.experts(words, qt, delta, 0, eb // 4, n_ff, lay.gu_row_bytes, smap, ids[g], x, h, True, k, mode=mode)
+
+    def down(impl, smap, g, mode):
         impl.experts(words, qt, delta, lay.down_offset // 4, eb // 4, n_embd, lay.down_row_bytes, smap, ids[g], h, y,
                      False, k, w, mode=mode)
+
+    def layer(impl, smap, g, mode):
+        gate_up(impl, smap, g, mode)
+        down(impl, smap, g, mode)
 
     res = {"experts": [], "dense": []}
     # agreement with Triton's kernels, per map
@@ -394,6 +400,11 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
             t = _time_graph(lambda: [layer(impl, smap, g, mode) for g in range(groups)]) / groups
             row[name + "_us"] = t * 1e6
             row[name + "_GBps"] = bytes_layer / t / 1e9
+        # where a hit layer's time goes: each launch alone, 16 layers' worth back to back
+        smap = maps["hit"]
+        for part, half in (("gu", gate_up), ("dn", down)):
+            t = _time_graph(lambda: [half(impl, smap, g, "hit") for g in range(groups)]) / groups
+            row[f"hit_{part}_us"] = t * 1e6
         res["experts"].append(row)
         print(row, flush=True)
     for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_CUDA_PDL"):
@@ -486,7 +497,9 @@ def main(argv=None) -> int:
                 rs = [r for r in res["experts"] if r["impl"] == impl and r["pdl"] == pdl]
                 b = min(rs, key=lambda r: r[name + "_us"])
                 print(f"experts, {name}: {impl}{' pdl' if pdl else ''} best {b['config']} pre {b['pre']} "
-                      f"{b[name + '_us']:.1f} us, {b[name + '_GBps']:.0f} GB/s = {b[name + '_GBps'] / ceil:.2f} {unit}")
+                      f"{b[name + '_us']:.1f} us, {b[name + '_GBps']:.0f} GB/s = {b[name + '_GBps'] / ceil:.2f} {unit}"
+                      + (f" (gate+up alone {b['hit_gu_us']:.1f} us, down alone {b['hit_dn_us']:.1f} us)"
+                         if name == "hit" else ""))
         for name in ("qkv", "wo", "output"):
             for impl in ("triton", "cuda"):
                 rs = [r for r in res["dense"] if r["matrix"] == name and r["launch"].startswith(impl)]
