@@ -32,6 +32,18 @@ def _on(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.mark.parametrize("name,value", [("FLE_CUDA_MV_CONFIG", "2,4"), ("FLE_CUDA_MV_CONFIG", "a,b,c,d"),
+                                        ("FLE_CUDA_MV_PRE", "1,1"), ("FLE_CUDA_MV_PRE", "1,-1,0")])
+def test_malformed_tuning_variables_are_named(name, value, monkeypatch):
+    from fle_quant.errors import FleError
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(FleError, match=name):
+        cuda_mv._env_config() if name == "FLE_CUDA_MV_CONFIG" else cuda_mv._env_pre()
+    monkeypatch.setenv(name, "2,4,4,4" if name == "FLE_CUDA_MV_CONFIG" else "2,1,2")
+    assert (cuda_mv._env_config() if name == "FLE_CUDA_MV_CONFIG" else cuda_mv._env_pre()) is not None
+
+
 def test_pre_variant_choice():
     """The compiled variant for the iterations asked: never more than a row has, rounded up to
     one that exists."""

@@ -77,24 +77,27 @@ _IQ4_SUPER = 136          # bytes of an IQ4_XS super-block (256 values)
 _Q8_BLOCK = 34
 
 
-def _env_config():
-    env = os.environ.get("FLE_CUDA_MV_CONFIG")
+def _env_ints(name: str, counts: tuple, usage: str) -> "list[int] | None":
+    """A tuning variable's comma list of integers, or None when unset; a malformed one is
+    refused naming the variable."""
+    env = os.environ.get(name)
     if not env:
         return None
-    v = [int(x) for x in env.split(",")]
-    if len(v) not in (4, 6):
-        raise ValueError("FLE_CUDA_MV_CONFIG takes gu_rows,gu_warps,down_rows,down_warps[,dense_rows,dense_warps]")
+    try:
+        v = [int(x) for x in env.split(",")]
+    except ValueError:
+        v = []
+    if len(v) not in counts or min(v) < 0:
+        raise FleError(f"{name}={env!r}: it takes {usage}; unset it for the measured defaults")
     return v
+
+
+def _env_config():
+    return _env_ints("FLE_CUDA_MV_CONFIG", (4, 6), "gu_rows,gu_warps,down_rows,down_warps[,dense_rows,dense_warps]")
 
 
 def _env_pre():
-    env = os.environ.get("FLE_CUDA_MV_PRE")
-    if not env:
-        return None
-    v = [int(x) for x in env.split(",")]
-    if len(v) != 3:
-        raise ValueError("FLE_CUDA_MV_PRE takes gu,down,dense (row iterations loaded first)")
-    return v
+    return _env_ints("FLE_CUDA_MV_PRE", (3,), "gu,down,dense (row iterations whose weights are loaded first)")
 
 
 def _pre_kernel(pre: int, n_iter: int, have: tuple) -> int:
@@ -294,7 +297,8 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
     word = words.element_size()
     rows, warps, pre = _expert_config(gate_up, mode)
     if rows not in (_GU_ROWS if gate_up else _DN_ROWS):
-        raise ValueError(f"no {'gate+up' if gate_up else 'down'} kernel with {rows} rows per warp")
+        raise FleError(f"FLE_CUDA_MV_CONFIG: no {'gate+up' if gate_up else 'down'} kernel with {rows} rows per "
+                       f"warp (there are {_GU_ROWS if gate_up else _DN_ROWS})")
     kind = "gu" if gate_up else "dn"
     n_sub = row_bytes // _IQ4_SUPER * 8
     pre = _pre_kernel(pre, (n_sub + 31) // 32, _EXPERT_PRE)
@@ -336,7 +340,7 @@ def dense(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> Tensor:
     if env_pre:
         pre = env_pre[2]
     if rows not in _DENSE_ROWS:
-        raise ValueError(f"no dense kernel with {rows} rows per warp")
+        raise FleError(f"FLE_CUDA_MV_CONFIG: no dense kernel with {rows} rows per warp (there are {_DENSE_ROWS})")
     row_bytes = w.shape[-1]
     pre = _pre_kernel(pre, (row_bytes // _Q8_BLOCK + 31) // 32, _DENSE_PRE)
     grid = ((n_out + rows * warps - 1) // (rows * warps), 1)
