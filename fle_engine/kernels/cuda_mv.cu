@@ -273,6 +273,13 @@ __device__ __forceinline__ float q8_0_dot(const u32 (&v)[9], int b, const float4
     return d * s;
 }
 
+// the 32 activations of block b
+__device__ __forceinline__ void load_x32(const float* x, int b, float4 (&xv)[8]) {
+    const float4* xp = (const float4*)(x + 32 * b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) xv[i] = xp[i];
+}
+
 template <int OPW, int PRE>
 __device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y, int n_out, int n_blocks,
                                         i64 row_bytes) {
@@ -296,10 +303,8 @@ __device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y,
     for (int j = 0; j < PRE; ++j) {
         const int b = lane + 32 * j;
         if (b < n_blocks) {
-            const float4* xp = (const float4*)(x + 32 * b);
             float4 xv[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) xv[i] = xp[i];
+            load_x32(x, b, xv);
 #pragma unroll
             for (int i = 0; i < OPW; ++i)
                 if (o0 + i < n_out) acc[i] += q8_0_dot(pre[j][i], b, xv);
@@ -307,10 +312,8 @@ __device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y,
     }
 #pragma unroll 2
     for (int b = lane + 32 * PRE; b < n_blocks; b += 32) {
-        const float4* xp = (const float4*)(x + 32 * b);
         float4 xv[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) xv[i] = xp[i];
+        load_x32(x, b, xv);
 #pragma unroll
         for (int i = 0; i < OPW; ++i)
             if (o0 + i < n_out) {
