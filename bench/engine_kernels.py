@@ -392,7 +392,7 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
         if cfg:
             os.environ["FLE_CUDA_MV_CONFIG"] = cfg
             os.environ["FLE_CUDA_MV_PRE"] = pre
-        os.environ["FLE_CUDA_PDL"] = pdl
+        os.environ["FLE_PDL"] = pdl
         impl = cuda_mv if cfg else te
         row = {"impl": impl_name, "config": cfg or "defaults", "pre": pre, "pdl": pdl == "1"}
         for name, smap in maps.items():
@@ -407,7 +407,7 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
             row[f"hit_{part}_us"] = t * 1e6
         res["experts"].append(row)
         print(row, flush=True)
-    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_CUDA_PDL"):
+    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL"):
         os.environ.pop(name, None)
     # a small elementwise kernel in front of every dense product, as in the decode step (a norm, the
     # attention): a kernel launched with programmatic dependent launch overlaps only the end of it;
@@ -433,7 +433,7 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
                      for r, wp in ((2, 2), (4, 2), (1, 4), (2, 4)) for pre in (0, 2, 4) for pdl in ("0", "1")
                      if (pre, pdl) != (0, "0")]
         for launch, cfg, pre, pdl in launches:
-            os.environ["FLE_CUDA_PDL"] = pdl
+            os.environ["FLE_PDL"] = pdl
             if cfg:
                 os.environ["FLE_CUDA_MV_CONFIG"] = cfg
                 os.environ["FLE_CUDA_MV_PRE"] = pre
@@ -446,7 +446,7 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
                                  "after_pad_us": t_after * 1e6, "after_pad_GBps": mats[0].numel() / t_after / 1e9,
                                  "max_rel_diff": err})
             print(res["dense"][-1], flush=True)
-        for name_ in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_CUDA_PDL"):
+        for name_ in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL"):
             os.environ.pop(name_, None)
     return res
 

@@ -28,7 +28,7 @@ def _on(monkeypatch):
     """The kernels on, whatever the default (a test may turn them off); launch settings from
     the test alone."""
     monkeypatch.setenv("FLE_CUDA_MV", "1")
-    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_CUDA_PDL"):
+    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -169,7 +169,7 @@ def test_experts_loads_first_and_pdl(pre, pdl, share, rounded, monkeypatch):
     programmatic dependent launch."""
     monkeypatch.setenv("FLE_CUDA_MV_CONFIG", "2,4,4,4")
     monkeypatch.setenv("FLE_CUDA_MV_PRE", pre)
-    monkeypatch.setenv("FLE_CUDA_PDL", pdl)
+    monkeypatch.setenv("FLE_PDL", pdl)
     _experts_case(share, rounded, n_embd=2304)
 
 
@@ -198,7 +198,7 @@ def _dense_case(n_out, n_in):
 def test_dense_loads_first_and_pdl(pre, pdl, n_out, n_in, monkeypatch):
     monkeypatch.setenv("FLE_CUDA_MV_CONFIG", "1,4,1,4,2,2")
     monkeypatch.setenv("FLE_CUDA_MV_PRE", f"0,0,{pre}")
-    monkeypatch.setenv("FLE_CUDA_PDL", pdl)
+    monkeypatch.setenv("FLE_PDL", pdl)
     _dense_case(n_out, n_in)
 
 
@@ -207,7 +207,7 @@ def test_pdl_chain_in_a_graph(monkeypatch):
     """Each kernel reads what the one before it wrote, launched with programmatic dependent
     launch and loading its weights first: a dense product feeding a dense product feeding the
     experts (gate+up, then down), captured and replayed on new inputs, equals the references."""
-    monkeypatch.setenv("FLE_CUDA_PDL", "1")
+    monkeypatch.setenv("FLE_PDL", "1")
     monkeypatch.setenv("FLE_CUDA_MV_CONFIG", "2,4,4,4,2,2")
     monkeypatch.setenv("FLE_CUDA_MV_PRE", "2,1,2")
     qtype = GGMLType.IQ4_XS

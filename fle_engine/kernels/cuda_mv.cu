@@ -8,7 +8,7 @@
 // not the conversion unit.
 //
 // Programmatic dependent launch (sm_90+; cuda_mv.py launches with it when
-// FLE_CUDA_PDL is on): a kernel may start while the one before it in the
+// FLE_PDL is on): a kernel may start while the one before it in the
 // stream ends. Until griddepcontrol.wait returns a kernel reads only what
 // was complete before the kernel in front of it started (weights, and for
 // the down product the routed ids and the slot map, which the gate+up
@@ -85,6 +85,13 @@ __device__ __forceinline__ float q8_dot(u32 q, const float4 x) {
     return r;
 }
 
+// the 32 activations of block b
+__device__ __forceinline__ void load_x32(const float* x, int b, float4 (&xv)[8]) {
+    const float4* xp = (const float4*)(x + 32 * b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) xv[i] = xp[i];
+}
+
 // ---------------------------------------------------------------------------
 // IQ4_XS super-block (136 bytes): f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128]; sub-block ib
 // (32 values) has scale d * (ls - 32), ls = 4 bits of scales_l[ib / 2] | 2 bits of scales_h << 4,
@@ -104,19 +111,20 @@ __device__ __forceinline__ Iq4Sub iq4xs_load(const char* row, int it) {
     return w;
 }
 
-__device__ __forceinline__ float iq4xs_dot(const Iq4Sub& w, int it, const float4 (&xl)[4], const float4 (&xh)[4]) {
+// (xv: the sub-block's 32 activations; xv[0..3] meet the low nibbles, xv[4..7] the high ones)
+__device__ __forceinline__ float iq4xs_dot(const Iq4Sub& w, int it, const float4 (&xv)[8]) {
     const int ib = it & 7;
     const u32 ls = ((w.hd.y >> (4 * ib)) & 0xFu) | (((w.hd.x >> (16 + 2 * ib)) & 3u) << 4);
     const float dl = h2f((u16)(w.hd.x & 0xFFFFu)) * (float)((int)ls - 32);
-    float s = iq4_dot(w.qa.x, xl[0], xh[0]);
-    s += iq4_dot(w.qa.y, xl[1], xh[1]);
-    s += iq4_dot(w.qb.x, xl[2], xh[2]);
-    s += iq4_dot(w.qb.y, xl[3], xh[3]);
+    float s = iq4_dot(w.qa.x, xv[0], xv[4]);
+    s += iq4_dot(w.qa.y, xv[1], xv[5]);
+    s += iq4_dot(w.qb.x, xv[2], xv[6]);
+    s += iq4_dot(w.qb.y, xv[3], xv[7]);
     return dl * s;
 }
 
-__device__ __forceinline__ float iq4xs_sub(const char* row, int it, const float4 (&xl)[4], const float4 (&xh)[4]) {
-    return iq4xs_dot(iq4xs_load(row, it), it, xl, xh);
+__device__ __forceinline__ float iq4xs_sub(const char* row, int it, const float4 (&xv)[8]) {
+    return iq4xs_dot(iq4xs_load(row, it), it, xv);
 }
 
 // The routed experts of one step (any number of tokens T, rows r = t * n_used + k), one matrix
@@ -185,25 +193,23 @@ __device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, 
     for (int j = 0; j < PRE; ++j) {
         const int it = lane + 32 * j;
         if (it < n_sub) {
-            const float4* xp = (const float4*)(xr + 32 * it);
-            const float4 xl[4] = {xp[0], xp[1], xp[2], xp[3]};
-            const float4 xh[4] = {xp[4], xp[5], xp[6], xp[7]};
+            float4 xv[8];
+            load_x32(xr, it, xv);
 #pragma unroll
             for (int i = 0; i < NR; ++i)
-                if (o0 + (GU ? (i >> 1) : i) < n_out) acc[i] += iq4xs_dot(pre[j][i], it, xl, xh);
+                if (o0 + (GU ? (i >> 1) : i) < n_out) acc[i] += iq4xs_dot(pre[j][i], it, xv);
         }
     }
 #pragma unroll 2
     for (int it = lane + 32 * PRE; it < n_sub; it += 32) {
-        const float4* xp = (const float4*)(xr + 32 * it);
-        const float4 xl[4] = {xp[0], xp[1], xp[2], xp[3]};
-        const float4 xh[4] = {xp[4], xp[5], xp[6], xp[7]};
+        float4 xv[8];
+        load_x32(xr, it, xv);
 #pragma unroll
         for (int i = 0; i < NR; ++i) {
             const int o = o0 + (GU ? (i >> 1) : i);
             if (o < n_out) {
                 const i64 row = GU ? (i64)o + (i & 1) * (i64)n_out : (i64)o;
-                acc[i] += iq4xs_sub(m + row * row_bytes, it, xl, xh);
+                acc[i] += iq4xs_sub(m + row * row_bytes, it, xv);
             }
         }
     }
@@ -271,13 +277,6 @@ __device__ __forceinline__ float q8_0_dot(const u32 (&v)[9], int b, const float4
         s += q8_dot(q, xv[i]);
     }
     return d * s;
-}
-
-// the 32 activations of block b
-__device__ __forceinline__ void load_x32(const float* x, int b, float4 (&xv)[8]) {
-    const float4* xp = (const float4*)(x + 32 * b);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) xv[i] = xp[i];
 }
 
 template <int OPW, int PRE>

@@ -26,8 +26,9 @@ in :data:`EXPERT_CONFIG` and :data:`DENSE_CONFIG`, measured with
 shapes for tuning (``gu_rows,gu_warps,down_rows,down_warps[,dense_rows,dense_warps]``)
 and ``FLE_CUDA_MV_PRE`` the loads first (``gu,down,dense``).
 
-``FLE_CUDA_PDL=1`` launches the kernels with programmatic dependent launch
-(sm_90+, :data:`PDL_DEFAULT` when unset): a kernel may start while the one
+``FLE_PDL=1`` (the switch Triton's expert kernels read too) launches the
+kernels with programmatic dependent launch (sm_90+, :data:`PDL_DEFAULT`
+when unset): a kernel may start while the one
 before it ends, and the down product and dense products load their
 weights before they wait for it (``cuda_mv.cu`` says what may be read
 early).
@@ -71,7 +72,7 @@ DENSE_CONFIG = ((2, 2, 0), (4, 2, 0))
 DENSE_LARGE = 32768
 _DENSE_ROWS = (1, 2, 4)
 _DENSE_PRE = (0, 1, 2, 4)
-PDL_DEFAULT = "0"         # FLE_CUDA_PDL when unset
+PDL_DEFAULT = "0"         # FLE_PDL when unset
 
 _IQ4_SUPER = 136          # bytes of an IQ4_XS super-block (256 values)
 _Q8_BLOCK = 34
@@ -228,9 +229,9 @@ def _switched_on() -> bool:
 
 
 def pdl_on() -> bool:
-    """Whether launches ask for programmatic dependent launch (FLE_CUDA_PDL; taken where the
-    device has it, sm_90+)."""
-    return os.environ.get("FLE_CUDA_PDL", PDL_DEFAULT) != "0"
+    """Whether launches ask for programmatic dependent launch (FLE_PDL=1, as for Triton's
+    expert kernels; taken where the device has it, sm_90+)."""
+    return os.environ.get("FLE_PDL", PDL_DEFAULT) == "1"
 
 
 def _module() -> "_Module | None":
