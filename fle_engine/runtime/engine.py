@@ -55,7 +55,7 @@ from .cache import ExpertCache
 from .cudacalls import capture_graph
 from .mtp import VERIFY_MAX
 from .prefill import Prefill, prefill_bytes
-from .split import SHARE_ONE, MissSplit, cpu_experts, parse_split, split_bytes
+from .split import SHARE_ONE, MissSplit, choose_share, cpu_experts, job_model, parse_split, split_bytes
 from .split import cpu_threads as split_threads
 from .weights import check_host_mode, open_host_experts
 
@@ -442,7 +442,10 @@ class Engine:
             self.log(f"misses: all on the GPU ({e})")
             return
         if share == "auto":
-            share = self._measure_split(cpu, layers[0])
+            # the cold case, where the split matters most: routing spread evenly, so each routed expert misses
+            # as often as the split layers leave experts out of their slots
+            p_miss = float(np.mean([1 - self.cache.slots_per_layer[l] / a.n_expert for l in layers]))
+            share = self._measure_split(cpu, layers[0], p_miss)
         if share:
             self.split = self.state.split = MissSplit(cpu, layers, a.n_embd, a.n_expert_used, share, self.cuda,
                                                       self.log, t_max=t_max)
@@ -455,9 +458,11 @@ class Engine:
         assert not (self.host.mapped and self.cuda) or (self.split is not None and self.split.share == SHARE_ONE), \
             "internal: memory-mapped experts need every miss on the CPU"
 
-    def _measure_split(self, cpu, il: int) -> int:
-        """Bytes per second of missed experts on each side, for layer ``il``'s
-        types -> the CPU's share in 0..256 (0 below 1/32)."""
+    def _measure_split(self, cpu, il: int, p_miss: float) -> int:
+        """``--miss-split auto``: measure layer ``il``'s expert launch on the
+        GPU with every expert in a slot and with every expert missed, and the
+        CPU's jobs at two sizes; decide with :func:`split.choose_share` for
+        experts that miss with probability ``p_miss``."""
         a, lay, dev = self.args, self.net.layouts[il], self.device
         k, eb = a.n_expert_used, lay.expert_bytes
         rng = np.random.default_rng(0)
@@ -467,45 +472,66 @@ class Engine:
         h = torch.zeros(k, lay.n_ff, device=dev)
         y = torch.zeros(k, a.n_embd, device=dev)
         w = torch.full((k,), 1.0 / k, device=dev)
+        n_slots = self.cache.slots_per_layer[il]
+        hits = None
+        if n_slots:                     # the routed experts in the layer's slots (their bytes do not matter)
+            hits = none.clone()
+            hits[ids] = torch.arange(k, dtype=torch.int32, device=dev) % n_slots
 
-        def gpu_once():
+        def gpu_once(smap):
             words, delta = self.cache.words(il, lay.gu_type)
             self.ops.experts(words, lay.gu_type, delta, 0, eb // words.element_size(), lay.n_ff, lay.gu_row_bytes,
-                             none, ids, x, h, True, k, mode="miss")
+                             smap, ids, x, h, True, k, mode="miss")
             words, delta = self.cache.words(il, lay.down_type)
             wsz = words.element_size()
             self.ops.experts(words, lay.down_type, delta, lay.down_offset // wsz, eb // wsz, a.n_embd,
-                             lay.down_row_bytes, none, ids, h, y, False, k, w, mode="miss")
+                             lay.down_row_bytes, smap, ids, h, y, False, k, w, mode="miss")
 
-        gpu_once()
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        reps = 20
-        for _ in range(reps):
-            gpu_once()
-        torch.cuda.synchronize(dev)
-        gpu = reps * k * eb / (time.perf_counter() - t0)
-        # calls as the worker gets them: about 3/8 of a token's experts at a time, random experts
-        kc = max(1, k * 3 // 8)
+        def gpu_seconds(smap, reps=20):
+            gpu_once(smap)
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                gpu_once(smap)
+            torch.cuda.synchronize(dev)
+            return (time.perf_counter() - t0) / reps
+
+        t_miss = gpu_seconds(none)
+        t_base = gpu_seconds(hits) if hits is not None else 0.0
+        gpu = k * eb / t_miss
+        # the CPU's jobs as the worker gets them, at two sizes: about 3/8 and 3/4 of a token's experts
+        sizes = (max(1, k * 3 // 8), max(2, k * 3 // 4))
         if cpu.impl in ("ggml", "numba"):
-            from ..kernels.cpu_experts.team import measure
+            from ..kernels.cpu_experts.team import job_seconds
 
             assert not self.host.mapped, "internal: --miss-split auto is not measured on memory-mapped experts"
-            cpu_bw = measure(self.host.buf, self.host.offsets[il], lay, cpu.impl, split_threads(), k, a.n_expert, kc)
+            t_job = [job_seconds(self.host.buf, self.host.offsets[il], lay, cpu.impl, split_threads(), k,
+                                 a.n_expert, kc) for kc in sizes]
         else:
             xs = x.view(-1).cpu().numpy()
             out = np.zeros(a.n_embd, np.float32)
-            w_h = np.full(kc, 1.0 / kc, np.float32)
-            t0, reps = time.perf_counter(), 0
-            while reps < 5 or time.perf_counter() - t0 < 0.2:
-                cpu.ffn(il, rng.choice(a.n_expert, kc, replace=False), w_h, xs, out)
-                reps += 1
-            cpu_bw = reps * kc * eb / (time.perf_counter() - t0)
-        self.miss_bandwidths = {"gpu": gpu, "cpu": cpu_bw}
-        share = int(round(SHARE_ONE * cpu_bw / (cpu_bw + gpu)))
+            t_job = []
+            for kc in sizes:
+                w_h = np.full(kc, 1.0 / kc, np.float32)
+                busy, reps = 0.0, 0
+                while reps < 5 or busy < 0.2:
+                    e = rng.choice(a.n_expert, kc, replace=False)
+                    t0 = time.perf_counter()
+                    cpu.ffn(il, e, w_h, xs, out)
+                    busy += time.perf_counter() - t0
+                    reps += 1
+                t_job.append(busy / reps)
+        cpu_bw = sizes[0] * eb / t_job[0]
+        share = choose_share(job_model(sizes[0], t_job[0], sizes[1], t_job[1]), t_base, max(0.0, t_miss - t_base) / k,
+                             k, p_miss)
         share = share if share >= SHARE_ONE // 32 else 0
-        self.log(f"misses measured: GPU reads {gpu / 1e9:.1f} GB/s over PCIe, the CPU ({cpu.name} kernels) "
-                 f"{cpu_bw / 1e9:.1f} GB/s -> CPU share {share / SHARE_ONE:.0%}")
+        self.miss_bandwidths = {"gpu": gpu, "cpu": cpu_bw, "gpu_base_s": t_base, "cpu_job_s": dict(zip(sizes, t_job)),
+                                "p_miss": p_miss}
+        self.log(f"misses measured: GPU reads {gpu / 1e9:.1f} GB/s over PCIe (the layer's launch "
+                 f"{t_base * 1e6:.0f} us with every expert cached, {t_miss * 1e6:.0f} us with none), the CPU "
+                 f"({cpu.name} kernels) {cpu_bw / 1e9:.1f} GB/s ({sizes[0]} experts {t_job[0] * 1e6:.0f} us, "
+                 f"{sizes[1]} {t_job[1] * 1e6:.0f} us) -> CPU share {share / SHARE_ONE:.0%} (at {p_miss:.0%} "
+                 f"of the routed experts missed)")
         return share
 
     def _profile_path(self, spec) -> "Path | None":

@@ -58,7 +58,8 @@ from ..kernels.cpu_experts.team import Team, load_acquire as _load_acquire, stor
 from ..kernels.engine_ops import SHARE_ONE, cpu_count, union_cpu
 from .weights import PageLocked
 
-__all__ = ["SHARE_ONE", "cpu_count", "union_cpu", "split_bytes", "parse_split", "MissSplit", "CpuExperts", "cpu_experts"]
+__all__ = ["SHARE_ONE", "cpu_count", "union_cpu", "split_bytes", "parse_split", "choose_share", "job_model",
+           "MissSplit", "CpuExperts", "cpu_experts"]
 
 def split_bytes(ids, hits, expert_bytes, n_used: int, share: int) -> dict:
     """Bytes of missed experts that a T-row step reads, from its routing log
@@ -124,6 +125,45 @@ def parse_split(text) -> "str | int":
         raise FleError(f"--miss-split {text!r}: give auto, cpu, gpu or the CPU's fraction of the misses "
                        f"(0 to 1)")
     return int(round(f * SHARE_ONE))
+
+
+def choose_share(cpu_job, gpu_base: float, gpu_miss: float, n_used: int, p_miss: float) -> int:
+    """``--miss-split auto``'s decision from its measurements: the CPU's
+    share (0..256) that minimises a layer's expected time when each of its
+    ``n_used`` routed experts misses independently with probability
+    ``p_miss``. With n misses the CPU computes ``cpu_count(n, share)`` of
+    them (``cpu_job(m)``: seconds for a job of m experts, posted to the
+    answer) while the GPU runs the layer's expert launch (``gpu_base``
+    seconds with every expert in a slot) and reads the other misses over
+    PCIe (``gpu_miss`` seconds each); the layer goes on when the slower side
+    ends. Shares with equal expected times (the rule rounds to whole
+    experts) are a range; its middle is taken, or 0 (no CPU work) or
+    SHARE_ONE (every miss) when the range reaches them."""
+    from scipy.stats import binom
+
+    n = np.arange(n_used + 1)
+    pn = binom.pmf(n, n_used, min(max(p_miss, 0.0), 1.0))
+    job = np.array([cpu_job(m) if m else 0.0 for m in n])
+    shares = np.arange(SHARE_ONE + 1)
+    c = cpu_count(n[None, :], shares[:, None])                        # [shares, n]
+    t = np.maximum(job[c], gpu_base + (n[None, :] - c) * gpu_miss)
+    e = t @ pn
+    best = np.flatnonzero(e <= e.min() * (1 + 1e-9))
+    if best[0] == 0 or best[-1] == SHARE_ONE:
+        return int(best[0] if best[0] == 0 else SHARE_ONE)
+    return int(best[len(best) // 2])
+
+
+def job_model(n1: int, t1: float, n2: int, t2: float):
+    """Seconds of a CPU job of m experts, ``a + b m``, from jobs of ``n1``
+    and ``n2`` experts timed at ``t1`` and ``t2`` seconds (a per-expert cost
+    alone when the two do not give a positive one)."""
+    b = (t2 - t1) / (n2 - n1) if n2 != n1 else 0.0
+    if b <= 0:
+        b, a = t2 / n2, 0.0
+    else:
+        a = max(0.0, t1 - b * n1)
+    return lambda m: a + b * m
 
 
 # ---------------------------------------------------------------------------

@@ -60,7 +60,7 @@ from .ggml_cpu import _call_from_float, _call_vec_dot
 from .plan import silu_mul_row
 from .rows import arrange, call_rows, layout, rows_address
 
-__all__ = ["Team", "measure", "load_acquire", "store_release", "fetch_add"]
+__all__ = ["Team", "measure", "job_seconds", "load_acquire", "store_release", "fetch_add"]
 
 # job words
 _J_LAYER, _J_NCPU, _J_SERIAL, _J_ROWS = 0, 1, 2, 3
@@ -501,11 +501,13 @@ class Team:
         self._threads = []
 
 
-def measure(buf, offset: int, layout, impl: str, threads: int, n_used: int, n_expert: int, n_cpu: int,
-            seconds: float = 0.2, seed: int = 0) -> float:
-    """Bytes per second of experts that a team computes, posted as the
-    engine posts them (``n_cpu`` random experts of one layer per job, the
-    poster waiting for each answer), on a mailbox of its own."""
+def job_seconds(buf, offset: int, layout, impl: str, threads: int, n_used: int, n_expert: int, n_cpu: int,
+                seconds: float = 0.2, seed: int = 0) -> float:
+    """Mean seconds from posting a job of ``n_cpu`` random experts of one
+    layer (as the engine posts them, on a mailbox of its own) to its answer.
+    Only that span is timed: the poster writes the next job's box before it
+    posts, as the GPU's post kernel has its box ready, so the Python work
+    between jobs is not counted as the team's."""
     rng = np.random.default_rng(seed)
     d = layout.n_embd
     flags, done = np.zeros(1, np.int64), np.zeros(1, np.int64)
@@ -515,7 +517,7 @@ def measure(buf, offset: int, layout, impl: str, threads: int, n_used: int, n_ex
     team.start()
     k = min(n_cpu, n_used)
     try:
-        serial, n, t0 = 0, 0, 0.0
+        serial, n, busy, t_start = 0, 0, 0.0, time.perf_counter()
         while True:
             serial += 1
             b = boxes[0]
@@ -524,17 +526,24 @@ def measure(buf, offset: int, layout, impl: str, threads: int, n_used: int, n_ex
             b[2 * n_used:3 * n_used] = 0.0
             b[3 * n_used - k:3 * n_used] = 1.0
             b[3 * n_used:] = rng.standard_normal(d).astype(np.float32) * 0.1
+            t0 = time.perf_counter()
             flags[0] = serial * 256 + k
             while done[0] != serial:
                 if not team.alive():
                     raise RuntimeError("the CPU team stopped while it was measured")
-            if serial == 2:          # the first two jobs warm the caches and the members
-                t0 = time.perf_counter()
-            elif serial > 2:
+            if serial > 2:           # the first two jobs warm the caches and the members
                 n += 1
-                el = time.perf_counter() - t0
-                if (n >= 5 and el >= seconds) or el > 10 * seconds:
-                    return n * k * layout.expert_bytes / el
+                busy += time.perf_counter() - t0
+                if (n >= 5 and busy >= seconds) or time.perf_counter() - t_start > 10 * seconds:
+                    return busy / n
     finally:
         stop[0] = 1
         team.join()
+
+
+def measure(buf, offset: int, layout, impl: str, threads: int, n_used: int, n_expert: int, n_cpu: int,
+            seconds: float = 0.2, seed: int = 0) -> float:
+    """Bytes per second of experts that a team computes in jobs of
+    ``n_cpu`` experts (:func:`job_seconds`)."""
+    t = job_seconds(buf, offset, layout, impl, threads, n_used, n_expert, n_cpu, seconds, seed)
+    return min(n_cpu, n_used) * layout.expert_bytes / t
