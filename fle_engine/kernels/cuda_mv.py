@@ -72,7 +72,10 @@ DENSE_CONFIG = ((2, 2, 0), (4, 2, 0))
 DENSE_LARGE = 32768
 _DENSE_ROWS = (1, 2, 4)
 _DENSE_PRE = (0, 1, 2, 4)
-PDL_DEFAULT = "0"         # FLE_PDL when unset
+# FLE_PDL when unset: off. On an H100 (2026-12-07, docs/benchmarks.md) it took 3.4 us off a cached layer's
+# CUDA C experts with loads-first, but the captured decode step ran slower with it (294.6 against 304.5 tok/s
+# with every expert cached); loads-first slowed layers read over PCIe by 30 %, so PRE stays 0.
+PDL_DEFAULT = "0"
 
 _IQ4_SUPER = 136          # bytes of an IQ4_XS super-block (256 values)
 _Q8_BLOCK = 34
