@@ -168,6 +168,38 @@ def test_misses_on_the_cpu_equal_misses_on_the_gpu(model_file, next_file, refere
     eng.close()
 
 
+def test_miss_split_auto_measures_and_decides(model_file, tmp_path):
+    """--miss-split auto: both sides measured on one layer (the GPU's launch
+    with every routed expert in a slot and with every one missed, the CPU's
+    jobs at two sizes), then the share chosen from them (split.choose_share).
+    With CUDA the engine does it at start; on the CPU the same measurement
+    runs on the reference kernels."""
+    from fle_engine.runtime.split import SHARE_ONE, choose_share, cpu_experts, job_model
+
+    eb = _expert_bytes(_engine(model_file, 0, tmp_path))
+    eng = _engine(model_file, 2 * eb, tmp_path, miss_split="auto" if CUDA else "gpu")
+    try:
+        layers = [l for l in eng.net.layouts if eng.cache.slots_per_layer[l] < eng.args.n_expert]
+        assert layers and eng.cache.slots_per_layer[layers[0]] > 0
+        if CUDA:
+            assert eng.miss_bandwidths is not None
+        else:
+            share = eng._measure_split(cpu_experts(eng.host, eng.net.layouts, "numba"), layers[0], 0.5)
+            assert 0 <= share <= SHARE_ONE
+        m = eng.miss_bandwidths
+        assert m["gpu"] > 0 and m["cpu"] > 0 and m["gpu_base_s"] > 0
+        (n1, t1), (n2, t2) = sorted(m["cpu_job_s"].items())
+        assert 1 <= n1 < n2 <= eng.args.n_expert_used and t1 > 0 and t2 > 0
+        if not CUDA:        # the decision is the function's on these measurements
+            t_miss = eng.args.n_expert_used * eng.net.layouts[layers[0]].expert_bytes / m["gpu"]
+            k = eng.args.n_expert_used
+            want = choose_share(job_model(n1, t1, n2, t2), m["gpu_base_s"], max(0.0, t_miss - m["gpu_base_s"]) / k,
+                                k, 0.5)
+            assert share == (want if want >= SHARE_ONE // 32 else 0)
+    finally:
+        eng.close()
+
+
 def test_miss_split_option():
     from fle_engine.runtime.split import cpu_count, parse_split
 

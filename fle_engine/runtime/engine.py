@@ -479,6 +479,13 @@ class Engine:
             hits[ids] = torch.arange(k, dtype=torch.int32, device=dev) % n_slots
 
         def gpu_once(smap):
+            if not self.fast:           # the reference operations (tests on the CPU): the step's other branch
+                st = self.cache.reference_store(il, lay.gu_type)
+                self.ops.experts(st, lay.gu_type, 0, 0, 0, lay.n_ff, lay.gu_row_bytes, smap, ids, x, h, True, k)
+                st = self.cache.reference_store(il, lay.down_type)
+                self.ops.experts(st, lay.down_type, 0, lay.down_offset // st.word, 0, a.n_embd, lay.down_row_bytes,
+                                 smap, ids, h, y, False, k, w)
+                return
             words, delta = self.cache.words(il, lay.gu_type)
             self.ops.experts(words, lay.gu_type, delta, 0, eb // words.element_size(), lay.n_ff, lay.gu_row_bytes,
                              smap, ids, x, h, True, k, mode="miss")
@@ -488,12 +495,13 @@ class Engine:
                              lay.down_row_bytes, smap, ids, h, y, False, k, w, mode="miss")
 
         def gpu_seconds(smap, reps=20):
+            sync = torch.cuda.synchronize if self.cuda else (lambda d: None)   # the CPU: the same steps, in tests
             gpu_once(smap)
-            torch.cuda.synchronize(dev)
+            sync(dev)
             t0 = time.perf_counter()
             for _ in range(reps):
                 gpu_once(smap)
-            torch.cuda.synchronize(dev)
+            sync(dev)
             return (time.perf_counter() - t0) / reps
 
         t_miss = gpu_seconds(none)
