@@ -508,18 +508,19 @@ class Engine:
         t_base = gpu_seconds(hits) if hits is not None else 0.0
         gpu = k * eb / t_miss
         # the CPU's jobs as the worker gets them, at two sizes: about 3/8 and 3/4 of a token's experts
-        sizes = (max(1, k * 3 // 8), max(2, k * 3 // 4))
+        n1 = max(1, k * 3 // 8)
+        sizes = (n1, min(k, max(n1 + 1, k * 3 // 4)))          # one size when a token routes to one expert
         if cpu.impl in ("ggml", "numba"):
             from ..kernels.cpu_experts.team import job_seconds
 
             assert not self.host.mapped, "internal: --miss-split auto is not measured on memory-mapped experts"
             t_job = [job_seconds(self.host.buf, self.host.offsets[il], lay, cpu.impl, split_threads(), k,
-                                 a.n_expert, kc) for kc in sizes]
+                                 a.n_expert, kc) for kc in dict.fromkeys(sizes)]
         else:
             xs = x.view(-1).cpu().numpy()
             out = np.zeros(a.n_embd, np.float32)
             t_job = []
-            for kc in sizes:
+            for kc in dict.fromkeys(sizes):
                 w_h = np.full(kc, 1.0 / kc, np.float32)
                 busy, reps = 0.0, 0
                 while reps < 5 or busy < 0.2:
@@ -529,6 +530,8 @@ class Engine:
                     busy += time.perf_counter() - t0
                     reps += 1
                 t_job.append(busy / reps)
+        if len(t_job) == 1:                     # one size: its time for both
+            t_job = t_job * 2
         cpu_bw = sizes[0] * eb / t_job[0]
         share = choose_share(job_model(sizes[0], t_job[0], sizes[1], t_job[1]), t_base, max(0.0, t_miss - t_base) / k,
                              k, p_miss)
