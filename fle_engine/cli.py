@@ -37,7 +37,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         "auto (default): ~/.cache/fle/profiles/<model fingerprint>.json; none: no profile")
     p.add_argument("--miss-split", default="auto", metavar="auto|cpu|gpu|FRACTION",
                    help="engine: who computes the cache misses: auto (default): the GPU reading host memory over "
-                        "PCIe and the CPU at once, in the share that the two bandwidths measured at start give; "
+                        "PCIe and the CPU at once, in the share that gives the shortest layer on both sides' times "
+                        "measured at start; "
                         "gpu: the GPU alone; cpu: the CPU alone; FRACTION: that fraction on the CPU "
                         "(docs/benchmarks.md)")
     p.add_argument("--host-experts", default="auto", choices=("auto", "pinned", "mapped"),

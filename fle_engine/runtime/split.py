@@ -20,9 +20,10 @@ The hand-over needs no host synchronisation inside the step:
    nothing) and adds the CPU's sum as one more residual part.
 
 The GPU waits in step 3 only when the CPU is slower than the GPU's own
-share; that wait is the cost of the split, and the share is chosen so the
-two finish together: ``auto`` measures both bandwidths at start for this
-machine and file. A wait that never ends (a dead worker) times out in the
+work in the layer; that wait is the cost of the split, and the share is
+chosen so the two finish together: ``auto`` measures both sides at start
+for this machine and file and takes the share of the shortest expected
+layer (:func:`choose_share`). A wait that never ends (a dead worker) times out in the
 kernel, raises an error flag and is reported as an error, not a hang.
 
 A step of T rows (the verify step of drafted decoding, the batched step
