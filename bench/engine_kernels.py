@@ -451,6 +451,43 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
     return res
 
 
+def dense_rows_bench(reps: int = 16) -> list[dict]:
+    """Q8_0 dense products of T = 1..4 activation rows (the verify step's tokens, batched lanes):
+    Triton's launch against the CUDA C kernel that reads each weight block once for all rows
+    (cuda_mv's T-row kernels, FLE_CUDA_MV_DENSE_T=4 here), per per-layer matrix; outputs compared
+    with the reference first."""
+    import torch
+
+    from fle_engine.kernels import cuda_mv, reference, triton_quant
+    from fle_engine.runtime.weights import _dense_config
+    from fle_quant.ggml_types import GGMLType
+
+    os.environ["FLE_CUDA_MV"] = "1"
+    os.environ["FLE_CUDA_MV_DENSE_T"] = "4"
+    rows = []
+    try:
+        for name, n_out, n_in in (("qkv", 5120, 2048), ("wo", 2048, 4096)):
+            mats = [torch.randint(0, 256, (n_out, n_in // 32 * 34), dtype=torch.uint8, device="cuda")
+                    for _ in range(reps)]
+            for m in mats:
+                m.view(-1, 34)[:, :2] = torch.tensor([0x00, 0x14], dtype=torch.uint8, device="cuda")
+            for t in (1, 2, 3, 4):
+                x = torch.randn(t, n_in, device="cuda")
+                y = torch.zeros(t, n_out, device="cuda")
+                cuda_mv.dense(mats[0], GGMLType.Q8_0, x, y)
+                ref = reference.mul_mat(mats[0].cpu(), GGMLType.Q8_0, x.cpu())
+                err = float((y.cpu() - ref).abs().max() / ref.abs().max())
+                t_cuda = _time_graph(lambda: [cuda_mv.dense(m, GGMLType.Q8_0, x, y) for m in mats]) / reps
+                t_tri = _time_graph(lambda: [triton_quant.mul_mat(m, GGMLType.Q8_0, x, out=y,
+                                                                  config=_dense_config(n_out, t)) for m in mats]) / reps
+                rows.append({"matrix": name, "T": t, "cuda_us": t_cuda * 1e6, "triton_us": t_tri * 1e6,
+                             "cuda_GBps": mats[0].numel() / t_cuda / 1e9, "max_rel_diff": err})
+                print(rows[-1], flush=True)
+    finally:
+        os.environ.pop("FLE_CUDA_MV_DENSE_T", None)
+    return rows
+
+
 def explore_configs(hit: tuple, miss: tuple) -> list:
     """Launches around the defaults: the gate+up kernel's rows, warps and super-blocks per
     iteration with the default down kernel, then the down kernel's with the default gate+up,
@@ -490,6 +527,7 @@ def main(argv=None) -> int:
         res["read_ceiling"] = read_ceiling()
         print(res["read_ceiling"], flush=True)
         res.update(cuda_bench())
+        res["dense_rows"] = dense_rows_bench()
         hbm, pin = res["ceilings"]["hbm_copy_GBps"], res["ceilings"]["pinned_h2d_GBps"]
         for name, ceil, unit in (("hit", hbm, "of the device copy"), ("one miss", hbm, "of the device copy"),
                                  ("miss", pin, "of the pinned copy")):
@@ -509,6 +547,11 @@ def main(argv=None) -> int:
                 b = min(rs, key=lambda r: r["after_pad_us"])
                 print(f"dense {name} after a small kernel: {impl} best {b['launch']} {b['after_pad_us']:.1f} us, "
                       f"{b['after_pad_GBps']:.0f} GB/s = {b['after_pad_GBps'] / hbm:.2f} of the device copy")
+        for r in res["dense_rows"]:
+            one = next(q for q in res["dense_rows"] if q["matrix"] == r["matrix"] and q["T"] == 1)
+            rel = r["cuda_us"] / one["cuda_us"]
+            print(f"dense {r['matrix']}, T = {r['T']}: CUDA C {r['cuda_us']:.1f} us ({rel:.2f}x its T = 1), "
+                  f"Triton {r['triton_us']:.1f} us, max difference {r['max_rel_diff']:.1e}")
         if args.json:
             args.json.write_text(json.dumps(res, indent=1))
         return 0

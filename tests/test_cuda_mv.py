@@ -28,7 +28,7 @@ def _on(monkeypatch):
     """The kernels on, whatever the default (a test may turn them off); launch settings from
     the test alone."""
     monkeypatch.setenv("FLE_CUDA_MV", "1")
-    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL"):
+    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL", "FLE_CUDA_MV_DENSE_T"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -42,6 +42,18 @@ def test_malformed_tuning_variables_are_named(name, value, monkeypatch):
         cuda_mv._env_config() if name == "FLE_CUDA_MV_CONFIG" else cuda_mv._env_pre()
     monkeypatch.setenv(name, "2,4,4,4" if name == "FLE_CUDA_MV_CONFIG" else "2,1,2")
     assert (cuda_mv._env_config() if name == "FLE_CUDA_MV_CONFIG" else cuda_mv._env_pre()) is not None
+
+
+@pytest.mark.parametrize("value", ["5", "0", "2,2", "x"])
+def test_dense_rows_variable_is_checked(value, monkeypatch):
+    from fle_quant.errors import FleError
+
+    assert cuda_mv.dense_t_max() == cuda_mv.DENSE_T_MAX
+    monkeypatch.setenv("FLE_CUDA_MV_DENSE_T", value)
+    with pytest.raises(FleError, match="FLE_CUDA_MV_DENSE_T"):
+        cuda_mv.dense_t_max()
+    monkeypatch.setenv("FLE_CUDA_MV_DENSE_T", "3")
+    assert cuda_mv.dense_t_max() == 3
 
 
 def test_pre_variant_choice():
@@ -181,14 +193,36 @@ def test_dense_q8_0_against_reference(rows, warps, n_out, n_in, monkeypatch):
     _dense_case(n_out, n_in)
 
 
-def _dense_case(n_out, n_in):
+def _dense_case(n_out, n_in, n_tok=1, pad=0):
+    """T = n_tok activation rows; ``pad`` extra floats between rows of x and of out (strided rows)."""
     rng = np.random.default_rng(n_out)
     w = torch.from_numpy(quantize(rng.standard_normal((n_out, n_in)).astype(np.float32), GGMLType.Q8_0)).cuda()
-    x = torch.randn(1, n_in, device="cuda")
-    out = torch.full((1, n_out), 7.0, device="cuda")
-    assert cuda_mv.dense_supported(w, GGMLType.Q8_0, x, out)
-    cuda_mv.dense(w, GGMLType.Q8_0, x, out)
-    _close(out.cpu(), reference.mul_mat(w.cpu(), GGMLType.Q8_0, x.cpu()))
+    x = torch.randn(n_tok, n_in + pad, device="cuda")[:, :n_in]
+    out = torch.full((n_tok, n_out + pad), 7.0, device="cuda")
+    assert cuda_mv.dense_supported(w, GGMLType.Q8_0, x, out[:, :n_out])
+    cuda_mv.dense(w, GGMLType.Q8_0, x, out[:, :n_out])
+    _close(out[:, :n_out].cpu(), reference.mul_mat(w.cpu(), GGMLType.Q8_0, x.cpu()))
+    assert bool((out[:, n_out:] == 7.0).all())             # nothing written between the rows
+
+
+@gpu
+@pytest.mark.parametrize("n_tok", [2, 3, 4])
+@pytest.mark.parametrize("rows,warps", [(1, 4), (2, 2), (4, 2)])
+@pytest.mark.parametrize("n_out,n_in,pad", [(37, 256, 0), (130, 2048, 4), (9, 4160, 8)])
+def test_dense_several_rows_against_reference(n_tok, rows, warps, n_out, n_in, pad, monkeypatch):
+    """Dense products of 2..4 activation rows in one launch (each weight block read once), rows
+    contiguous or strided."""
+    monkeypatch.setenv("FLE_CUDA_MV_DENSE_T", "4")
+    monkeypatch.setenv("FLE_CUDA_MV_CONFIG", f"1,4,1,4,{rows},{warps}")
+    _dense_case(n_out, n_in, n_tok, pad)
+
+
+def test_several_rows_left_to_triton_by_default():
+    """Until a GPU run times them, products of more than one activation row stay Triton's."""
+    w = torch.zeros(4, 68, dtype=torch.uint8, device="cuda" if CUDA else "cpu")
+    x = torch.zeros(2, 64, device=w.device)
+    assert cuda_mv.DENSE_T_MAX == 1
+    assert not cuda_mv.dense_supported(w, GGMLType.Q8_0, x, torch.zeros(2, 4, device=w.device))
 
 
 @gpu

@@ -279,9 +279,12 @@ __device__ __forceinline__ float q8_0_dot(const u32 (&v)[9], int b, const float4
     return d * s;
 }
 
-template <int OPW, int PRE>
+// T rows of activations (x and y T rows apart by stride_x / stride_y floats): each weight block is
+// loaded once and dotted with every row's activations. T = 1 loads a block's words row by row as
+// they are used; T > 1 loads the warp's rows' words first, then walks the activation rows.
+template <int OPW, int PRE, int T>
 __device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y, int n_out, int n_blocks,
-                                        i64 row_bytes) {
+                                        i64 row_bytes, int stride_x, int stride_y) {
     const int lane = threadIdx.x & 31;
     const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
     if (o0 >= n_out) return;
@@ -295,52 +298,82 @@ __device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y,
     }
     grid_wait();
     grid_release();
-    float acc[OPW];
+    float acc[T][OPW];
 #pragma unroll
-    for (int i = 0; i < OPW; ++i) acc[i] = 0.0f;
+    for (int t = 0; t < T; ++t)
+#pragma unroll
+        for (int i = 0; i < OPW; ++i) acc[t][i] = 0.0f;
 #pragma unroll
     for (int j = 0; j < PRE; ++j) {
         const int b = lane + 32 * j;
         if (b < n_blocks) {
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                float4 xv[8];
+                load_x32(x + (i64)t * stride_x, b, xv);
+#pragma unroll
+                for (int i = 0; i < OPW; ++i)
+                    if (o0 + i < n_out) acc[t][i] += q8_0_dot(pre[j][i], b, xv);
+            }
+        }
+    }
+    if constexpr (T == 1) {
+#pragma unroll 2
+        for (int b = lane + 32 * PRE; b < n_blocks; b += 32) {
             float4 xv[8];
             load_x32(x, b, xv);
 #pragma unroll
             for (int i = 0; i < OPW; ++i)
-                if (o0 + i < n_out) acc[i] += q8_0_dot(pre[j][i], b, xv);
+                if (o0 + i < n_out) {
+                    u32 v[9];
+                    q8_0_load(w + (i64)(o0 + i) * row_bytes, b, v);
+                    acc[0][i] += q8_0_dot(v, b, xv);
+                }
+        }
+    } else {
+        for (int b = lane + 32 * PRE; b < n_blocks; b += 32) {
+            u32 v[OPW][9];
+#pragma unroll
+            for (int i = 0; i < OPW; ++i)
+                if (o0 + i < n_out) q8_0_load(w + (i64)(o0 + i) * row_bytes, b, v[i]);
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                float4 xv[8];
+                load_x32(x + (i64)t * stride_x, b, xv);
+#pragma unroll
+                for (int i = 0; i < OPW; ++i)
+                    if (o0 + i < n_out) acc[t][i] += q8_0_dot(v[i], b, xv);
+            }
         }
     }
-#pragma unroll 2
-    for (int b = lane + 32 * PRE; b < n_blocks; b += 32) {
-        float4 xv[8];
-        load_x32(x, b, xv);
 #pragma unroll
-        for (int i = 0; i < OPW; ++i)
-            if (o0 + i < n_out) {
-                u32 v[9];
-                q8_0_load(w + (i64)(o0 + i) * row_bytes, b, v);
-                acc[i] += q8_0_dot(v, b, xv);
-            }
-    }
+    for (int t = 0; t < T; ++t)
 #pragma unroll
-    for (int i = 0; i < OPW; ++i) acc[i] = warp_sum(acc[i]);
+        for (int i = 0; i < OPW; ++i) acc[t][i] = warp_sum(acc[t][i]);
     if (lane == 0) {
 #pragma unroll
-        for (int i = 0; i < OPW; ++i)
-            if (o0 + i < n_out) y[o0 + i] = acc[i];
+        for (int t = 0; t < T; ++t)
+#pragma unroll
+            for (int i = 0; i < OPW; ++i)
+                if (o0 + i < n_out) y[(i64)t * stride_y + o0 + i] = acc[t][i];
     }
 }
 
-#define Q8MV(NAME, OPW, PRE)                                                                             \
+#define Q8MV(NAME, OPW, PRE, T)                                                                          \
     extern "C" __global__ void NAME(const char* w, const float* x, float* y, int n_out, int n_blocks,   \
-                                    i64 row_bytes) {                                                     \
-        q8_0_mv<OPW, PRE>(w, x, y, n_out, n_blocks, row_bytes);                                          \
+                                    i64 row_bytes, int stride_x, int stride_y) {                         \
+        q8_0_mv<OPW, PRE, T>(w, x, y, n_out, n_blocks, row_bytes, stride_x, stride_y);                   \
     }
 
-#define Q8MV_PRE(OPW)                     \
-    Q8MV(q8_0_mv_##OPW##_p0, OPW, 0)      \
-    Q8MV(q8_0_mv_##OPW##_p1, OPW, 1)      \
-    Q8MV(q8_0_mv_##OPW##_p2, OPW, 2)      \
-    Q8MV(q8_0_mv_##OPW##_p4, OPW, 4)
+// one activation row: every loads-first variant; 2..4 rows (the verify step, batched lanes): none
+#define Q8MV_PRE(OPW)                               \
+    Q8MV(q8_0_mv_##OPW##_p0, OPW, 0, 1)             \
+    Q8MV(q8_0_mv_##OPW##_p1, OPW, 1, 1)             \
+    Q8MV(q8_0_mv_##OPW##_p2, OPW, 2, 1)             \
+    Q8MV(q8_0_mv_##OPW##_p4, OPW, 4, 1)             \
+    Q8MV(q8_0_mv_##OPW##_p0_t2, OPW, 0, 2)          \
+    Q8MV(q8_0_mv_##OPW##_p0_t3, OPW, 0, 3)          \
+    Q8MV(q8_0_mv_##OPW##_p0_t4, OPW, 0, 4)
 
 Q8MV_PRE(1)
 Q8MV_PRE(2)

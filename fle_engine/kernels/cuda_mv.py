@@ -50,7 +50,8 @@ from fle_quant.ggml_types import GGMLType
 
 from .ptx_decode import BOOK_WORDS
 
-__all__ = ["enabled", "experts_supported", "experts", "dense_supported", "dense", "EXPERT_CONFIG", "DENSE_CONFIG"]
+__all__ = ["enabled", "experts_supported", "experts", "dense_supported", "dense", "dense_t_max", "EXPERT_CONFIG",
+           "DENSE_CONFIG", "DENSE_T_MAX"]
 
 SOURCE = Path(__file__).with_name("cuda_mv.cu")
 DEFAULT = "1"             # FLE_CUDA_MV when unset
@@ -72,6 +73,11 @@ DENSE_CONFIG = ((2, 2, 0), (4, 2, 0))
 DENSE_LARGE = 32768
 _DENSE_ROWS = (1, 2, 4)
 _DENSE_PRE = (0, 1, 2, 4)
+# activation rows a dense product takes in one launch (the verify step's 2..4 tokens, batched lanes):
+# kernels for up to 4 exist; 1 (more rows go to Triton's kernel) until a GPU run has timed them
+# (bench/engine_kernels.py --cuda); FLE_CUDA_MV_DENSE_T=N for measurements
+DENSE_T_MAX = 1
+_DENSE_T = (1, 2, 3, 4)
 # FLE_PDL when unset: off. On an H100 (2026-12-07, docs/benchmarks.md) it took 3.4 us off a cached layer's
 # CUDA C experts with loads-first, but the captured decode step ran slower with it (294.6 against 304.5 tok/s
 # with every expert cached); loads-first slowed layers read over PCIe by 30 %, so PRE stays 0.
@@ -321,21 +327,35 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
 # dense
 
 
+def dense_t_max() -> int:
+    """The most activation rows :func:`dense` takes (FLE_CUDA_MV_DENSE_T, else DENSE_T_MAX)."""
+    env = _env_ints("FLE_CUDA_MV_DENSE_T", (1,), "the most activation rows of a dense launch, 1 to 4")
+    if env is None:
+        return DENSE_T_MAX
+    if env[0] not in _DENSE_T:
+        raise FleError(f"FLE_CUDA_MV_DENSE_T={env[0]}: there are dense kernels for {_DENSE_T} activation rows")
+    return env[0]
+
+
 def dense_supported(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> bool:
-    """Whether :func:`dense` takes this product (Q8_0, one token, aligned rows)."""
-    if qtype != GGMLType.Q8_0 or x.shape[0] != 1 or not w.is_cuda or not _switched_on():
+    """Whether :func:`dense` takes this product (Q8_0, up to :func:`dense_t_max` tokens, aligned rows)."""
+    if qtype != GGMLType.Q8_0 or not w.is_cuda or not _switched_on():
+        return False
+    if not 1 <= x.shape[0] <= dense_t_max() or out.shape[0] != x.shape[0]:
         return False
     row_bytes = w.shape[-1]
     if row_bytes % (2 * _Q8_BLOCK) or not _aligned(w, 4):
         return False
     if not (x.dtype == out.dtype == torch.float32 and x.stride(-1) == 1 and out.stride(-1) == 1 and _aligned(x, 16)):
         return False
+    if x.shape[0] > 1 and x.stride(0) % 4:
+        return False
     return _module() is not None
 
 
 def dense(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> Tensor:
-    """``out [1, n_out] = x [1, n_in] @ W.T`` for Q8_0 rows ``w`` (uint8
-    ``[n_out, row_bytes]``); callers check :func:`dense_supported`."""
+    """``out [T, n_out] = x [T, n_in] @ W.T`` for Q8_0 rows ``w`` (uint8
+    ``[n_out, row_bytes]``), T up to 4; callers check :func:`dense_supported`."""
     env, env_pre = _env_config(), _env_pre()
     n_out = w.shape[0]
     rows, warps, pre = DENSE_CONFIG[n_out >= DENSE_LARGE]
@@ -346,9 +366,13 @@ def dense(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> Tensor:
     if rows not in _DENSE_ROWS:
         raise FleError(f"FLE_CUDA_MV_CONFIG: no dense kernel with {rows} rows per warp (there are {_DENSE_ROWS})")
     row_bytes = w.shape[-1]
-    pre = _pre_kernel(pre, (row_bytes // _Q8_BLOCK + 31) // 32, _DENSE_PRE)
+    n_tok = x.shape[0]
+    if n_tok == 1:
+        name = f"q8_0_mv_{rows}_p{_pre_kernel(pre, (row_bytes // _Q8_BLOCK + 31) // 32, _DENSE_PRE)}"
+    else:                               # several activation rows: no loads-first variants
+        name = f"q8_0_mv_{rows}_p0_t{n_tok}"
     grid = ((n_out + rows * warps - 1) // (rows * warps), 1)
-    _module().launch(f"q8_0_mv_{rows}_p{pre}", grid, 32 * warps,
+    _module().launch(name, grid, 32 * warps,
                      [_p(w), _p(x), _p(out), ctypes.c_int(n_out), ctypes.c_int(row_bytes // _Q8_BLOCK),
-                      ctypes.c_longlong(row_bytes)])
+                      ctypes.c_longlong(row_bytes), ctypes.c_int(x.stride(0)), ctypes.c_int(out.stride(0))])
     return out
