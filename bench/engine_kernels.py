@@ -289,6 +289,16 @@ def miss_count_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16, counts
     return out
 
 
+def _q8_0_matrices(n_out: int, n_in: int, count: int) -> list:
+    """``count`` Q8_0 matrices on the GPU: random quants, every block's scale ~0.001."""
+    import torch
+
+    mats = [torch.randint(0, 256, (n_out, n_in // 32 * 34), dtype=torch.uint8, device="cuda") for _ in range(count)]
+    for m in mats:
+        m.view(-1, 34)[:, :2] = torch.tensor([0x00, 0x14], dtype=torch.uint8, device="cuda")   # d = ~0.001
+    return mats
+
+
 def dense_bench(explore: bool = False) -> list[dict]:
     import torch
 
@@ -298,10 +308,7 @@ def dense_bench(explore: bool = False) -> list[dict]:
 
     rows = []
     for name, n_out, n_in, reps in (("qkv", 5120, 2048, 16), ("wo", 2048, 4096, 16), ("output", 151936, 2048, 1)):
-        mats = [torch.randint(0, 256, (n_out, n_in // 32 * 34), dtype=torch.uint8, device="cuda")
-                for _ in range(reps)]
-        for m in mats:
-            m.view(-1, 34)[:, :2] = torch.tensor([0x00, 0x14], dtype=torch.uint8, device="cuda")   # d = ~0.001
+        mats = _q8_0_matrices(n_out, n_in, reps)
         x = torch.randn(1, n_in, device="cuda")
         y = torch.zeros(1, n_out, device="cuda")
         fast_default = triton_quant.FAST_DECODE
@@ -416,10 +423,7 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
     t_pad = _time_graph(lambda: [pad.add_(1.0) for _ in range(16)]) / 16
     res["dense_pad_us"] = t_pad * 1e6
     for name, n_out, n_in, reps in (("qkv", 5120, 2048, 16), ("wo", 2048, 4096, 16), ("output", 151936, 2048, 1)):
-        mats = [torch.randint(0, 256, (n_out, n_in // 32 * 34), dtype=torch.uint8, device="cuda")
-                for _ in range(reps)]
-        for m in mats:
-            m.view(-1, 34)[:, :2] = torch.tensor([0x00, 0x14], dtype=torch.uint8, device="cuda")
+        mats = _q8_0_matrices(n_out, n_in, reps)
         xd = torch.randn(1, n_in, device="cuda")
         yd = torch.zeros(1, n_out, device="cuda")
         ref = triton_quant.mul_mat(mats[0], GGMLType.Q8_0, xd, config=_dense_config(n_out, 1)).clone()
@@ -467,10 +471,7 @@ def dense_rows_bench(reps: int = 16) -> list[dict]:
     rows = []
     try:
         for name, n_out, n_in in (("qkv", 5120, 2048), ("wo", 2048, 4096)):
-            mats = [torch.randint(0, 256, (n_out, n_in // 32 * 34), dtype=torch.uint8, device="cuda")
-                    for _ in range(reps)]
-            for m in mats:
-                m.view(-1, 34)[:, :2] = torch.tensor([0x00, 0x14], dtype=torch.uint8, device="cuda")
+            mats = _q8_0_matrices(n_out, n_in, reps)
             for t in (1, 2, 3, 4):
                 x = torch.randn(t, n_in, device="cuda")
                 y = torch.zeros(t, n_out, device="cuda")

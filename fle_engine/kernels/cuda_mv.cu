@@ -279,6 +279,21 @@ __device__ __forceinline__ float q8_0_dot(const u32 (&v)[9], int b, const float4
     return d * s;
 }
 
+// block b of the warp's rows (their words v[i]) dotted with each of T activation rows (x rows
+// stride_x floats apart): acc[t][i] += row i . x row t
+template <int OPW, int T>
+__device__ __forceinline__ void q8_0_rows(float (&acc)[T][OPW], const u32 (&v)[OPW][9], const float* x, int stride_x,
+                                          int b, int o0, int n_out) {
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+        float4 xv[8];
+        load_x32(x + (i64)t * stride_x, b, xv);
+#pragma unroll
+        for (int i = 0; i < OPW; ++i)
+            if (o0 + i < n_out) acc[t][i] += q8_0_dot(v[i], b, xv);
+    }
+}
+
 // T rows of activations (x and y T rows apart by stride_x / stride_y floats): each weight block is
 // loaded once and dotted with every row's activations. T = 1 loads a block's words row by row as
 // they are used; T > 1 loads the warp's rows' words first, then walks the activation rows.
@@ -306,16 +321,7 @@ __device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y,
 #pragma unroll
     for (int j = 0; j < PRE; ++j) {
         const int b = lane + 32 * j;
-        if (b < n_blocks) {
-#pragma unroll
-            for (int t = 0; t < T; ++t) {
-                float4 xv[8];
-                load_x32(x + (i64)t * stride_x, b, xv);
-#pragma unroll
-                for (int i = 0; i < OPW; ++i)
-                    if (o0 + i < n_out) acc[t][i] += q8_0_dot(pre[j][i], b, xv);
-            }
-        }
+        if (b < n_blocks) q8_0_rows<OPW, T>(acc, pre[j], x, stride_x, b, o0, n_out);
     }
     if constexpr (T == 1) {
 #pragma unroll 2
@@ -336,14 +342,7 @@ __device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y,
 #pragma unroll
             for (int i = 0; i < OPW; ++i)
                 if (o0 + i < n_out) q8_0_load(w + (i64)(o0 + i) * row_bytes, b, v[i]);
-#pragma unroll
-            for (int t = 0; t < T; ++t) {
-                float4 xv[8];
-                load_x32(x + (i64)t * stride_x, b, xv);
-#pragma unroll
-                for (int i = 0; i < OPW; ++i)
-                    if (o0 + i < n_out) acc[t][i] += q8_0_dot(v[i], b, xv);
-            }
+            q8_0_rows<OPW, T>(acc, v, x, stride_x, b, o0, n_out);
         }
     }
 #pragma unroll

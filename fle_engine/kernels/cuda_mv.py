@@ -341,14 +341,15 @@ def dense_supported(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> bool:
     """Whether :func:`dense` takes this product (Q8_0, up to :func:`dense_t_max` tokens, aligned rows)."""
     if qtype != GGMLType.Q8_0 or not w.is_cuda or not _switched_on():
         return False
-    if not 1 <= x.shape[0] <= dense_t_max() or out.shape[0] != x.shape[0]:
+    n_tok = x.shape[0]
+    if out.shape[0] != n_tok or (n_tok != 1 and not 1 < n_tok <= dense_t_max()):     # one row: no lookup
         return False
     row_bytes = w.shape[-1]
     if row_bytes % (2 * _Q8_BLOCK) or not _aligned(w, 4):
         return False
     if not (x.dtype == out.dtype == torch.float32 and x.stride(-1) == 1 and out.stride(-1) == 1 and _aligned(x, 16)):
         return False
-    if x.shape[0] > 1 and x.stride(0) % 4:
+    if n_tok > 1 and x.stride(0) % 4:
         return False
     return _module() is not None
 
