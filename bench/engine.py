@@ -275,12 +275,14 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
 
 KERNEL_SETS = {
     "triton": {"FLE_CUDA_MV": "0"},
-    "cuda": {"FLE_CUDA_MV": "1", "FLE_PDL": "0"},
+    "cuda": {"FLE_CUDA_MV": "1", "FLE_PDL": "0", "FLE_CUDA_MV_FFN": "0"},
     # programmatic dependent launch (FLE_PDL: the CUDA C kernels and Triton's expert kernels), the weights of two
     # row iterations (gate+up, dense) and one (down) loaded first
     "cuda-pdl": {"FLE_CUDA_MV": "1", "FLE_PDL": "1", "FLE_CUDA_MV_PRE": "2,1,2"},
     # the same with the CUDA C kernels for the hit launch too (the miss launch's shapes)
     "cuda-pdl-hit": {"FLE_CUDA_MV": "1", "FLE_PDL": "1", "FLE_CUDA_MV_PRE": "2,1,2", "FLE_CUDA_MV_CONFIG": "2,4,4,4"},
+    # a layer's gate+up and down in one CUDA C launch (cuda_mv.FFN_CONFIG; FLE_CUDA_MV_FFN's shape)
+    "cuda-ffn": {"FLE_CUDA_MV": "1", "FLE_PDL": "0", "FLE_CUDA_MV_FFN": os.environ.get("FLE_CUDA_MV_FFN") or "2,4,4,1"},
     "default": {},
 }
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -28,7 +30,7 @@ def _on(monkeypatch):
     """The kernels on, whatever the default (a test may turn them off); launch settings from
     the test alone."""
     monkeypatch.setenv("FLE_CUDA_MV", "1")
-    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL", "FLE_CUDA_MV_DENSE_T"):
+    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL", "FLE_CUDA_MV_DENSE_T", "FLE_CUDA_MV_FFN"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -110,13 +112,15 @@ def _close(a, b, tol=2e-5):
     assert float((a - b).abs().max()) <= tol * scale, float((a - b).abs().max()) / scale
 
 
-def _experts_case(share: bool, rounded: bool, n_embd: int = 512):
+def _experts_setup(share: int, rounded: bool, n_embd: int = 512, seed: int = 5):
+    """A layer's routed experts (7 experts, 3 of them in slots, 3 tokens of 3 each, some missed) with
+    the reference's h and y, and the same on CUDA (misses from page-locked host memory)."""
     qtype = GGMLType.IQ4_XS
-    rng = np.random.default_rng(5)
+    rng_w, rng = np.random.default_rng(5), np.random.default_rng(seed)     # seed: routing and activations
     n_exp, n_ff, n_used, T = 7, 40, 3, 3          # 40 rows: warps with rows past the end
     rb_gu, rb_d = n_embd // 256 * 136, 256 // 256 * 136       # down: 256 inputs (n_ff padded as the engine pads)
-    gu = quantize(rng.standard_normal((n_exp * 2 * n_ff, n_embd)).astype(np.float32) * 0.1, qtype)
-    dn = quantize(rng.standard_normal((n_exp * n_embd, 256)).astype(np.float32) * 0.1, qtype)
+    gu = quantize(rng_w.standard_normal((n_exp * 2 * n_ff, n_embd)).astype(np.float32) * 0.1, qtype)
+    dn = quantize(rng_w.standard_normal((n_exp * n_embd, 256)).astype(np.float32) * 0.1, qtype)
     d_off = 2 * n_ff * rb_gu
     eb = d_off + n_embd * rb_d
     host = torch.zeros(n_exp, eb, dtype=torch.uint8)
@@ -127,11 +131,12 @@ def _experts_case(share: bool, rounded: bool, n_embd: int = 512):
     for s, e in enumerate((4, 1, 6)):
         slots[s] = host[e]
         slot_of[e] = s
-    ids = torch.tensor([1, 2, 4, 0, 3, 5, 6, 1, 2], dtype=torch.int64)
+    ids = torch.from_numpy(np.concatenate([rng.permutation(n_exp)[:n_used] for _ in range(T)]))
+    ids[:4] = torch.tensor([1, 2, 4, 0])          # every token has misses; the first has a hit among them
     R = ids.numel()
-    x = torch.randn(T, n_embd) * 0.5
+    x = torch.from_numpy(rng.standard_normal((T, n_embd)).astype(np.float32) * 0.5)
     x_miss = (x * 64).round() / 64 if rounded else None
-    wts = torch.rand(R)
+    wts = torch.from_numpy(rng.random(R).astype(np.float32))
     st = engine_ops.ExpertWords(slots, host, 4)
     ref_h = torch.zeros(R, n_ff)
     engine_ops.experts_ref(st, qtype, 0, 0, 0, n_ff, rb_gu, slot_of, ids, x, ref_h, True, n_used, cpu_share=share,
@@ -144,24 +149,47 @@ def _experts_case(share: bool, rounded: bool, n_embd: int = 512):
     pinned = host.pin_memory()
     dev_slots = slots.cuda()
     words = dev_slots.view(-1).view(torch.int32)
-    delta = (pinned.data_ptr() - words.data_ptr()) // 4
     xs = torch.zeros(2, T, n_embd, device="cuda")        # x and its rounded copy, one buffer (aligned rows)
     xs[0] = x.cuda()
     if rounded:
         xs[1] = x_miss.cuda()
-    h = torch.full((R, n_ff), 7.0, device="cuda")
-    smap, dids = slot_of.cuda(), ids.cuda()
-    assert cuda_mv.experts_supported(words, qtype, xs[0], h, xs[1] if rounded else None, eb, 0)
-    cuda_mv.experts(words, qtype, delta, 0, eb // 4, n_ff, rb_gu, smap, dids, xs[0], h, True, n_used, cpu_share=share,
-                    x_miss=xs[1] if rounded else None)
-    y = torch.full((R, n_embd), 7.0, device="cuda")
-    cuda_mv.experts(words, qtype, delta, d_off // 4, eb // 4, n_embd, rb_d, smap, dids, h_in.cuda().contiguous(), y,
-                    False, n_used, wts.cuda(), cpu_share=share)
-    torch.cuda.synchronize()
     keep = [r for r in range(R) if ref_y[r].any()]
     assert len(keep) < R if share else len(keep) == R
-    _close(h.cpu()[keep], ref_h[keep])
-    _close(y.cpu(), ref_y)
+    return SimpleNamespace(
+        qtype=qtype, n_ff=n_ff, n_embd=n_embd, n_used=n_used, R=R, rb_gu=rb_gu, rb_d=rb_d, d_off=d_off, eb=eb,
+        pinned=pinned, dev_slots=dev_slots, words=words, delta=(pinned.data_ptr() - words.data_ptr()) // 4,
+        smap=slot_of.cuda(), ids=ids.cuda(), x=xs[0], x_miss=xs[1] if rounded else None, xs=xs, wts=wts.cuda(),
+        h_in=h_in.cuda().contiguous(), ref_h=ref_h, ref_y=ref_y, keep=keep, share=share)
+
+
+def _experts_case(share: int, rounded: bool, n_embd: int = 512):
+    c = _experts_setup(share, rounded, n_embd)
+    h = torch.full((c.R, c.n_ff), 7.0, device="cuda")
+    assert cuda_mv.experts_supported(c.words, c.qtype, c.x, h, c.x_miss, c.eb, 0)
+    cuda_mv.experts(c.words, c.qtype, c.delta, 0, c.eb // 4, c.n_ff, c.rb_gu, c.smap, c.ids, c.x, h, True,
+                    c.n_used, cpu_share=share, x_miss=c.x_miss)
+    y = torch.full((c.R, c.n_embd), 7.0, device="cuda")
+    cuda_mv.experts(c.words, c.qtype, c.delta, c.d_off // 4, c.eb // 4, c.n_embd, c.rb_d, c.smap, c.ids, c.h_in, y,
+                    False, c.n_used, c.wts, cpu_share=share)
+    torch.cuda.synchronize()
+    _close(h.cpu()[c.keep], c.ref_h[c.keep])
+    _close(y.cpu(), c.ref_y)
+
+
+def _ffn(c, h, y):
+    cuda_mv.experts_ffn(c.words, c.qtype, c.delta, c.d_off // 4, c.eb // 4, c.n_ff, c.n_embd, c.rb_gu, c.rb_d,
+                        c.smap, c.ids, c.x, h, y, c.n_used, c.wts, cpu_share=c.share, x_miss=c.x_miss)
+
+
+def _ffn_buffers(c):
+    h = torch.zeros(c.R, 256, device="cuda")           # padded to the down rows' 256 inputs, as the engine's
+    return h, torch.full((c.R, c.n_embd), 7.0, device="cuda")
+
+
+def _ffn_check(c, h, y):
+    _close(h[:, :c.n_ff].cpu()[c.keep], c.ref_h[c.keep])
+    assert not h[:, c.n_ff:].any()
+    _close(y.cpu(), c.ref_y)
 
 
 @gpu
@@ -183,6 +211,69 @@ def test_experts_loads_first_and_pdl(pre, pdl, share, rounded, monkeypatch):
     monkeypatch.setenv("FLE_CUDA_MV_PRE", pre)
     monkeypatch.setenv("FLE_PDL", pdl)
     _experts_case(share, rounded, n_embd=2304)
+
+
+@gpu
+@pytest.mark.parametrize("config", ["2,4,4,0", "2,8,4,1", "4,8,2,2", "4,8,1,0", "2,4,8,2"])
+@pytest.mark.parametrize("share,rounded", [(0, False), (128, False), (0, True), (256, False)])
+def test_fused_experts_against_reference(config, share, rounded, monkeypatch):
+    """Gate+up and down in one launch (the down part's warps wait for their row's gate+up blocks)
+    equal the references, with misses, the CPU's share and rounded activations of misses; launched
+    three times in a row, so the counters are back at zero after each launch."""
+    monkeypatch.setenv("FLE_CUDA_MV_FFN", config)
+    monkeypatch.setenv("FLE_PDL", "0")
+    c = _experts_setup(share, rounded, n_embd=2304)
+    h, y = _ffn_buffers(c)
+    assert cuda_mv.ffn_supported(c.words, c.qtype, c.x, h, y, c.x_miss, c.eb, c.d_off, c.R)
+    for _ in range(3):
+        h.zero_()
+        y.fill_(7.0)
+        _ffn(c, h, y)
+        torch.cuda.synchronize()
+        _ffn_check(c, h, y)
+    assert not cuda_mv._module().sync.any()
+
+
+@gpu
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_fused_experts_in_a_graph(pdl, monkeypatch):
+    """The fused launch captured in a CUDA graph between other kernels and replayed on new
+    activations, routed ids and slot maps, with and without programmatic dependent launch."""
+    monkeypatch.setenv("FLE_CUDA_MV_FFN", "2,4,4,1")
+    monkeypatch.setenv("FLE_PDL", pdl)
+    c = _experts_setup(0, False, n_embd=2304)
+    h, y = _ffn_buffers(c)
+    out = torch.zeros(c.n_embd, device="cuda")
+    _ffn(c, h, y)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        c.x.mul_(1.0)
+        _ffn(c, h, y)
+        out.copy_(y.sum(0))
+    for seed in (6, 7, 8):
+        d = _experts_setup(0, False, n_embd=2304, seed=seed)     # the same expert bytes, new routing and x
+        c.x.copy_(d.x)
+        c.ids.copy_(d.ids)
+        c.wts.copy_(d.wts)
+        g.replay()
+        torch.cuda.synchronize()
+        _close(y.cpu(), d.ref_y)
+        _close(out.cpu(), d.ref_y.sum(0), tol=1e-4)
+    assert not cuda_mv._module().sync.any()
+
+
+@pytest.mark.parametrize("value", ["3", "2,4", "4,4,4,0", "2,4,4,5", "2,4,9,0", "x"])
+def test_fused_variable_is_checked(value, monkeypatch):
+    from fle_quant.errors import FleError
+
+    monkeypatch.setenv("FLE_CUDA_MV_FFN", value)
+    with pytest.raises(FleError, match="FLE_CUDA_MV_FFN"):
+        cuda_mv.ffn_config()
+    monkeypatch.setenv("FLE_CUDA_MV_FFN", "0")
+    assert cuda_mv.ffn_config() is None
+    monkeypatch.delenv("FLE_CUDA_MV_FFN")
+    assert cuda_mv.ffn_config() == cuda_mv.FFN_CONFIG["miss"]
 
 
 @gpu

@@ -385,7 +385,7 @@ def count_launches(eng) -> dict:
     reference side's structure, per layer and in all."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    fast_launches = {"experts": 1, "route_topk": 1, "add_rmsnorm": 1, "qk_rope_kv": 1, "attention": 2,
+    fast_launches = {"experts": 1, "experts_ffn": 2, "route_topk": 1, "add_rmsnorm": 1, "qk_rope_kv": 1, "attention": 2,
                      "embed_row": 1, "hc_write_norm": 1, "hc_mix": 1, "gather_rows": 1, "gdn_step": 2,
                      "post_misses": 1, "wait_misses": 1, "float_mv": 1}
     counter = {"n": 0, "quiet": 0}

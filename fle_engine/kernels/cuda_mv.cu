@@ -85,12 +85,43 @@ __device__ __forceinline__ float q8_dot(u32 q, const float4 x) {
     return r;
 }
 
-// the 32 activations of block b
+// the 32 activations of block b (CG: from L2, not L1: written by other blocks of the same launch)
+template <bool CG = false>
 __device__ __forceinline__ void load_x32(const float* x, int b, float4 (&xv)[8]) {
     const float4* xp = (const float4*)(x + 32 * b);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) xv[i] = xp[i];
+    for (int i = 0; i < 8; ++i) xv[i] = CG ? __ldcg(xp + i) : xp[i];
 }
+
+// How a product waits for its inputs. PdlWait: the kernel in front (programmatic dependent
+// launch; at once without it). NoWait: already waited. RowWait (the fused gate+up+down launch
+// below): lane 0 of each warp spins until the gate+up blocks of its row have all published their
+// outputs (ready[r] == need), acquiring them at GPU scope; no block barrier, since the warps of a
+// block may have left the product early.
+struct PdlWait {
+    __device__ __forceinline__ void operator()() const {
+        grid_wait();
+        grid_release();
+    }
+};
+struct NoWait {
+    __device__ __forceinline__ void operator()() const {}
+};
+struct RowWait {
+    const int* ready;
+    int need;
+    __device__ __forceinline__ void operator()() const {
+        if ((threadIdx.x & 31) == 0) {
+            int v;
+            while (true) {
+                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ready) : "memory");
+                if (v >= need) break;
+                __nanosleep(64);
+            }
+        }
+        __syncwarp();
+    }
+};
 
 // ---------------------------------------------------------------------------
 // IQ4_XS super-block (136 bytes): f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128]; sub-block ib
@@ -134,19 +165,19 @@ __device__ __forceinline__ float iq4xs_sub(const char* row, int it, const float4
 // over PCIe). cpu_share (0..256): the last round(n_miss * share / 256) misses of each token are the
 // CPU's (runtime.split), skipped here (their down rows written as zeros). A missed expert reads its
 // activations x_miss_delta elements away from x (their rounded copy) when that is not 0.
-template <int GU, int OPW, int PRE>
+// bx, r: the block's column of output rows and its routed row (the grid's x and y in a launch of
+// one product). CG: activations from L2 (the fused launch's down part reads what its gate+up
+// part wrote).
+template <int GU, int OPW, int PRE, bool CG = false, class Wait = PdlWait>
 __device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,
                                               const int* slot_of, const i64* ids, const float* wts, const float* x,
                                               float* y, int n_out, int n_sub, i64 row_bytes, int n_used,
-                                              int stride_x, int stride_y, int cpu_share, i64 x_miss_delta) {
+                                              int stride_x, int stride_y, int cpu_share, i64 x_miss_delta,
+                                              int bx, int r, Wait wait = Wait()) {
     constexpr bool EARLY = !GU && PRE > 0;       // the down product's weights are read before the wait
-    if (!EARLY) {
-        grid_wait();
-        grid_release();
-    }
-    const int r = blockIdx.y;
+    if (!EARLY) wait();
     const int lane = threadIdx.x & 31;
-    const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
+    const int o0 = (bx * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
     if (o0 >= n_out) return;
     const i64 e = ids[r];
     const int s = slot_of[e];
@@ -160,7 +191,7 @@ __device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, 
         }
         const int n_cpu = (n_miss * cpu_share + 128) >> 8;
         if (rank >= n_miss - n_cpu) {
-            if (EARLY) grid_wait();
+            if (EARLY) wait();
             if (!GU && lane < OPW && o0 + lane < n_out) y[(i64)r * stride_y + o0 + lane] = 0.0f;
             return;
         }
@@ -181,10 +212,7 @@ __device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, 
             }
         }
     }
-    if (EARLY) {
-        grid_wait();
-        grid_release();
-    }
+    if (EARLY) wait();
     const float* xr = x + (i64)(GU ? r / n_used : r) * stride_x + (s < 0 ? x_miss_delta : 0);
     float acc[NR];
 #pragma unroll
@@ -194,7 +222,7 @@ __device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, 
         const int it = lane + 32 * j;
         if (it < n_sub) {
             float4 xv[8];
-            load_x32(xr, it, xv);
+            load_x32<CG>(xr, it, xv);
 #pragma unroll
             for (int i = 0; i < NR; ++i)
                 if (o0 + (GU ? (i >> 1) : i) < n_out) acc[i] += iq4xs_dot(pre[j][i], it, xv);
@@ -203,7 +231,7 @@ __device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, 
 #pragma unroll 2
     for (int it = lane + 32 * PRE; it < n_sub; it += 32) {
         float4 xv[8];
-        load_x32(xr, it, xv);
+        load_x32<CG>(xr, it, xv);
 #pragma unroll
         for (int i = 0; i < NR; ++i) {
             const int o = o0 + (GU ? (i >> 1) : i);
@@ -240,7 +268,8 @@ __device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, 
                                     int n_out, int n_sub, i64 row_bytes, int n_used, int stride_x, int stride_y,   \
                                     int cpu_share, i64 x_miss_delta) {                                             \
         iq4xs_experts<GU, OPW, PRE>(base, host_delta, part_bytes, expert_bytes, slot_of, ids, wts, x, y, n_out,     \
-                                    n_sub, row_bytes, n_used, stride_x, stride_y, cpu_share, x_miss_delta);        \
+                                    n_sub, row_bytes, n_used, stride_x, stride_y, cpu_share, x_miss_delta,         \
+                                    blockIdx.x, blockIdx.y);                                                       \
     }
 
 #define EXPERTS_PRE(GU_OR_DN, GU, OPW)                      \
@@ -255,6 +284,71 @@ EXPERTS_PRE(dn, 0, 1)
 EXPERTS_PRE(dn, 0, 2)
 EXPERTS_PRE(dn, 0, 4)
 EXPERTS_PRE(dn, 0, 8)
+
+// Gate+up and down of a layer's routed experts in one launch (h = silu(gate x) * up x, then
+// y = w * down h per routed row), so that the down part's blocks start, and read their weights,
+// while the last gate+up blocks run, with no launch between. Blocks take tickets in the order
+// they start (sync[0]): the first gu_bpr * n_rows do gate+up (gu_bpr blocks per routed row), the
+// rest down; a gate+up block publishes its outputs by counting itself into ready[r] = sync[2 + r],
+// and a down warp waits for its row's count (RowWait). A down block's ticket comes after every
+// gate+up ticket, each taken by a block that is running or done, so the wait ends. The last
+// block to finish (sync[1] counts them) sets the counters back to zero for the next launch;
+// launches that share `sync` must not run at the same time (one stream).
+template <int GO, int DO, int PRE>
+__device__ __forceinline__ void iq4xs_ffn(const char* base, i64 host_delta, i64 down_part, i64 expert_bytes,
+                                          const int* slot_of, const i64* ids, const float* wts, const float* x,
+                                          float* h, float* y, int n_ff, int n_embd, int n_sub_gu, int n_sub_dn,
+                                          i64 gu_row_bytes, i64 dn_row_bytes, int n_used, int stride_x,
+                                          int stride_h, int stride_y, int cpu_share, i64 x_miss_delta, int* sync,
+                                          int gu_bpr, int dn_bpr, int n_rows) {
+    grid_wait();
+    grid_release();
+    __shared__ int ticket_s;
+    if (threadIdx.x == 0) ticket_s = atomicAdd(sync, 1);
+    __syncthreads();
+    const int ticket = ticket_s;
+    const int n_gu = gu_bpr * n_rows;
+    int* ready = sync + 2;
+    if (ticket < n_gu) {
+        const int r = ticket / gu_bpr;
+        iq4xs_experts<1, GO, 0, false, NoWait>(base, host_delta, 0, expert_bytes, slot_of, ids, wts, x, h, n_ff,
+                                               n_sub_gu, gu_row_bytes, n_used, stride_x, stride_h, cpu_share,
+                                               x_miss_delta, ticket - r * gu_bpr, r);
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) atomicAdd(ready + r, 1);
+    } else {
+        const int t = ticket - n_gu, r = t / dn_bpr;
+        iq4xs_experts<0, DO, PRE, true, RowWait>(base, host_delta, down_part, expert_bytes, slot_of, ids, wts, h, y,
+                                                 n_embd, n_sub_dn, dn_row_bytes, n_used, stride_h, stride_y,
+                                                 cpu_share, 0, t - r * dn_bpr, r, RowWait{ready + r, gu_bpr});
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(sync + 1, 1) == n_gu + dn_bpr * n_rows - 1) {
+            for (int i = 0; i < n_rows + 2; ++i) sync[i] = 0;
+            __threadfence();
+        }
+    }
+}
+
+#define FFN(GO, DO, PRE)                                                                                             \
+    extern "C" __global__ void iq4xs_ffn_##GO##_##DO##_p##PRE(                                                      \
+        const char* base, i64 host_delta, i64 down_part, i64 expert_bytes, const int* slot_of, const i64* ids,     \
+        const float* wts, const float* x, float* h, float* y, int n_ff, int n_embd, int n_sub_gu, int n_sub_dn,    \
+        i64 gu_row_bytes, i64 dn_row_bytes, int n_used, int stride_x, int stride_h, int stride_y, int cpu_share,   \
+        i64 x_miss_delta, int* sync, int gu_bpr, int dn_bpr, int n_rows) {                                         \
+        iq4xs_ffn<GO, DO, PRE>(base, host_delta, down_part, expert_bytes, slot_of, ids, wts, x, h, y, n_ff, n_embd, \
+                               n_sub_gu, n_sub_dn, gu_row_bytes, dn_row_bytes, n_used, stride_x, stride_h,         \
+                               stride_y, cpu_share, x_miss_delta, sync, gu_bpr, dn_bpr, n_rows);                   \
+    }
+
+#define FFN_PRE(GO, DO) FFN(GO, DO, 0) FFN(GO, DO, 1) FFN(GO, DO, 2)
+
+FFN_PRE(2, 4)
+FFN_PRE(2, 8)
+FFN_PRE(4, 8)
 
 // ---------------------------------------------------------------------------
 // Q8_0 (34-byte blocks: f16 d, 32 int8): y[o] = sum over the row's blocks of d * (q . x). A block

@@ -50,8 +50,8 @@ from fle_quant.ggml_types import GGMLType
 
 from .ptx_decode import BOOK_WORDS
 
-__all__ = ["enabled", "experts_supported", "experts", "dense_supported", "dense", "dense_t_max", "EXPERT_CONFIG",
-           "DENSE_CONFIG", "DENSE_T_MAX"]
+__all__ = ["enabled", "experts_supported", "experts", "ffn_supported", "experts_ffn", "dense_supported", "dense",
+           "dense_t_max", "EXPERT_CONFIG", "FFN_CONFIG", "DENSE_CONFIG", "DENSE_T_MAX"]
 
 SOURCE = Path(__file__).with_name("cuda_mv.cu")
 DEFAULT = "1"             # FLE_CUDA_MV when unset
@@ -66,6 +66,14 @@ EXPERT_CONFIG = {"hit": None, "miss": ((2, 4, 0), (4, 4, 0))}
 _GU_ROWS = (1, 2, 4)
 _DN_ROWS = (1, 2, 4, 8)
 _EXPERT_PRE = (0, 1, 2)
+# gate+up and down of a layer in one launch (cuda_mv.cu's iq4xs_ffn): (gate+up rows per warp, down
+# rows per warp, warps per block, down row iterations loaded first), per mode as EXPERT_CONFIG; None:
+# two launches. Off until a GPU run has timed it (bench/engine_kernels.py --cuda);
+# FLE_CUDA_MV_FFN=g,d,w,p turns it on for measurements, FLE_CUDA_MV_FFN=0 off.
+FFN_CONFIG = {"hit": None, "miss": None}
+_FFN_ROWS = ((2, 4), (2, 8), (4, 8))
+_FFN_PRE = (0, 1, 2)
+_SYNC_WORDS = 4096        # the fused launch's counters: a ticket, a done count, one per routed row
 # (rows per warp, warps per block) of the Q8_0 product below / from DENSE_LARGE output rows:
 # 2,2 took 9.5 us for 5120 x 2048 and 2048 x 4096 (Triton 10.6 and 13.2), 4,2 143 us for the
 # 151936 x 2048 output matrix (Triton 194).
@@ -194,6 +202,11 @@ class _Module:
         _check(self.cuda.cuModuleLoadData(ctypes.byref(self.module), cubin), "cuModuleLoadData")
         self.funcs: dict[str, ctypes.c_void_p] = {}
         self.local = threading.local()
+        # the fused launches' counters (zero between launches; one set per device, so fused launches
+        # on a device never run at the same time); not made inside a graph capture, where such a
+        # launch then takes two launches
+        self.sync = (None if torch.cuda.is_current_stream_capturing()
+                     else torch.zeros(_SYNC_WORDS, dtype=torch.int32, device=f"cuda:{dev}"))
 
     def _ensure_ctx(self) -> None:
         cur = ctypes.c_void_p()
@@ -321,6 +334,62 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
             ctypes.c_longlong(x_delta)]
     _module().launch(f"iq4xs_{kind}_{rows}_p{pre}", grid, 32 * warps, args)
     return out
+
+
+def ffn_config(mode: str = "miss") -> "tuple[int, int, int, int] | None":
+    """The fused launch's (gate+up rows, down rows, warps, down loads-first) for ``mode``, or None for
+    two launches (FLE_CUDA_MV_FFN, else FFN_CONFIG)."""
+    env = _env_ints("FLE_CUDA_MV_FFN", (1, 4), "gu_rows,down_rows,warps,down_pre, or 0 for two launches")
+    if env is None:
+        return FFN_CONFIG.get(mode)
+    if len(env) == 1:
+        if env[0]:
+            raise FleError(f"FLE_CUDA_MV_FFN={env[0]}: it takes gu_rows,down_rows,warps,down_pre, or 0")
+        return None
+    if tuple(env[:2]) not in _FFN_ROWS or env[3] not in _FFN_PRE or not 1 <= env[2] <= 8:
+        raise FleError(f"FLE_CUDA_MV_FFN={','.join(map(str, env))}: no such fused kernel (rows {_FFN_ROWS}, "
+                       f"loads-first {_FFN_PRE}, 1 to 8 warps)")
+    return tuple(env)
+
+
+def ffn_supported(words: Tensor, qtype: GGMLType, x: Tensor, h: Tensor, y: Tensor, x_miss: "Tensor | None",
+                  expert_bytes: int, down_part_bytes: int, n_rows: int, mode: str = "miss") -> bool:
+    """Whether :func:`experts_ffn` takes a layer's gate+up and down (the same words for both, IQ4_XS)."""
+    if qtype != GGMLType.IQ4_XS or not words.is_cuda or not _switched_on() or ffn_config(mode) is None:
+        return False
+    if n_rows + 2 > _SYNC_WORDS or not (h.dtype == y.dtype == torch.float32 and y.stride(-1) == 1):
+        return False
+    if not (h.stride(-1) == 1 and _aligned(h, 16) and h.stride(0) % 4 == 0):
+        return False
+    if not experts_supported(words, qtype, x, h, x_miss, expert_bytes, down_part_bytes, "miss"):
+        return False
+    return _module().sync is not None
+
+
+def experts_ffn(words: Tensor, qtype: GGMLType, host_delta: int, down_part_words: int, expert_words: int,
+                n_ff: int, n_embd: int, gu_row_bytes: int, down_row_bytes: int, slot_of: Tensor, ids: Tensor,
+                x: Tensor, h: Tensor, y: Tensor, n_used: int, weights: Tensor, mode: str = "miss",
+                cpu_share: int = 0, x_miss: "Tensor | None" = None) -> Tensor:
+    """:func:`experts` with ``gate_up=True`` into ``h``, then with ``gate_up=False`` from ``h`` into
+    ``y``, in one launch; callers check :func:`ffn_supported`."""
+    word = words.element_size()
+    go, do, warps, pre = ffn_config(mode)
+    n_sub_gu, n_sub_dn = gu_row_bytes // _IQ4_SUPER * 8, down_row_bytes // _IQ4_SUPER * 8
+    pre = _pre_kernel(pre, (n_sub_dn + 31) // 32, _FFN_PRE)
+    x_delta = 0 if x_miss is None else (x_miss.data_ptr() - x.data_ptr()) // 4
+    n_rows = ids.shape[0]
+    gu_bpr = (n_ff + go * warps - 1) // (go * warps)
+    dn_bpr = (n_embd + do * warps - 1) // (do * warps)
+    mod = _module()
+    args = [_p(words), ctypes.c_longlong(host_delta * word), ctypes.c_longlong(down_part_words * word),
+            ctypes.c_longlong(expert_words * word), _p(slot_of), _p(ids), _p(weights), _p(x), _p(h), _p(y),
+            ctypes.c_int(n_ff), ctypes.c_int(n_embd), ctypes.c_int(n_sub_gu), ctypes.c_int(n_sub_dn),
+            ctypes.c_longlong(gu_row_bytes), ctypes.c_longlong(down_row_bytes), ctypes.c_int(n_used),
+            ctypes.c_int(x.stride(0)), ctypes.c_int(h.stride(0)), ctypes.c_int(y.stride(0)),
+            ctypes.c_int(int(cpu_share)), ctypes.c_longlong(x_delta), _p(mod.sync), ctypes.c_int(gu_bpr),
+            ctypes.c_int(dn_bpr), ctypes.c_int(n_rows)]
+    mod.launch(f"iq4xs_ffn_{go}_{do}_p{pre}", ((gu_bpr + dn_bpr) * n_rows, 1), 32 * warps, args)
+    return y
 
 
 # ---------------------------------------------------------------------------

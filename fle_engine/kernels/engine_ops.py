@@ -267,6 +267,17 @@ def experts_ref(store: ExpertWords, qtype: GGMLType, host_delta: int, part_words
     return out
 
 
+def experts_ffn_ref(gate_up: tuple, down: tuple, slot_of: Tensor, ids: Tensor, x: Tensor, h: Tensor, y: Tensor,
+                    n_used: int, weights: Tensor, mode: str = "miss", cpu_share: int = 0,
+                    x_miss: "Tensor | None" = None) -> Tensor:
+    """A layer's routed experts: :func:`experts_ref` of the gate+up product into ``h``, then of the
+    down product from ``h`` into ``y``. ``gate_up`` and ``down``: each product's leading arguments
+    (store, type, host distance, part offset, expert size, output rows, row bytes;
+    ``runtime.cache.expert_products``)."""
+    experts_ref(*gate_up, slot_of, ids, x, h, True, n_used, mode=mode, cpu_share=cpu_share, x_miss=x_miss)
+    return experts_ref(*down, slot_of, ids, h, y, False, n_used, weights, mode=mode, cpu_share=cpu_share)
+
+
 def round_acts_ref(x: Tensor, dot_k: bool, out: Tensor, ids: "Tensor | None" = None,
                    slot_of: "Tensor | None" = None) -> Tensor:
     """Rows quantized to Q8_K / Q8_0 by the CPU kernels' own quantizer
@@ -574,7 +585,7 @@ def dequant_ref(space: WordSpace, qtype: GGMLType, base: Tensor, n_rows: int, ro
 def _fast():
     from . import triton_engine as te
 
-    return SimpleNamespace(experts=_experts_fast, route_topk=te.route_topk, add_rmsnorm=te.add_rmsnorm,
+    return SimpleNamespace(experts=_experts_fast, experts_ffn=_experts_ffn_fast, route_topk=te.route_topk, add_rmsnorm=te.add_rmsnorm,
                            qk_rope_kv=te.qk_rope_kv, attention=te.attention, embed_row=te.embed_row,
                            hc_write_norm=te.hc_write_norm, hc_mix=te.hc_mix, gather_rows=te.gather_rows,
                            gdn_step=te.gdn_step, post_misses=te.post_misses, wait_misses=te.wait_misses,
@@ -599,13 +610,34 @@ def _experts_fast(words: Tensor, qtype: GGMLType, host_delta: int, part_words: i
                         gate_up, n_used, weights, mode=mode, cpu_share=cpu_share, x_miss=x_miss)
 
 
+def _experts_ffn_fast(gate_up: tuple, down: tuple, slot_of: Tensor, ids: Tensor, x: Tensor, h: Tensor, y: Tensor,
+                      n_used: int, weights: Tensor, mode: str = "miss", cpu_share: int = 0,
+                      x_miss: "Tensor | None" = None) -> Tensor:
+    """:func:`experts_ffn_ref` on the fast side: one CUDA C launch for both products where it takes
+    the layer (:func:`.cuda_mv.ffn_supported`: both parts in the same words), else two launches."""
+    from . import cuda_mv
+
+    words, qtype, delta, gu_part, expert_words, n_ff, gu_row_bytes = gate_up
+    d_words, d_qtype, d_delta, d_part, d_expert_words, n_embd, d_row_bytes = down
+    word = words.element_size()
+    if (gu_part == 0 and d_qtype == qtype and d_words.data_ptr() == words.data_ptr() and d_words.dtype == words.dtype
+            and (d_delta, d_expert_words) == (delta, expert_words)
+            and cuda_mv.ffn_supported(words, qtype, x, h, y, x_miss, expert_words * word, d_part * word,
+                                      ids.shape[0], mode)):
+        return cuda_mv.experts_ffn(words, qtype, delta, d_part, expert_words, n_ff, n_embd, gu_row_bytes,
+                                   d_row_bytes, slot_of, ids, x, h, y, n_used, weights, mode=mode,
+                                   cpu_share=cpu_share, x_miss=x_miss)
+    _experts_fast(*gate_up, slot_of, ids, x, h, True, n_used, mode=mode, cpu_share=cpu_share, x_miss=x_miss)
+    return _experts_fast(*down, slot_of, ids, h, y, False, n_used, weights, mode=mode, cpu_share=cpu_share)
+
+
 def _dequant_fast(space: WordSpace, qtype: GGMLType, *args, **kw) -> Tensor:
     from . import triton_dequant
 
     return triton_dequant.dequant(space.words(qtype), qtype, *args, **kw)
 
 
-REFERENCE = SimpleNamespace(experts=experts_ref, route_topk=route_topk_ref, add_rmsnorm=add_rmsnorm_ref,
+REFERENCE = SimpleNamespace(experts=experts_ref, experts_ffn=experts_ffn_ref, route_topk=route_topk_ref, add_rmsnorm=add_rmsnorm_ref,
                             qk_rope_kv=qk_rope_kv_ref, attention=attention_ref, embed_row=embed_row_ref,
                             hc_write_norm=hc_write_norm_ref, hc_mix=hc_mix_ref, gather_rows=gather_rows_ref,
                             gdn_step=gdn_step_ref, post_misses=post_misses_ref, wait_misses=wait_misses_ref,

@@ -47,6 +47,24 @@ from .weights import ExpertLayout, HostExperts, MappedExperts, PackBuffer, _alig
 __all__ = ["ExpertCache", "CacheStats"]
 
 
+def expert_products(cache: "ExpertCache | ResidentExperts", l: int, lay: ExpertLayout, n_embd: int,
+                    fast: bool) -> tuple[tuple, tuple]:
+    """Layer ``l``'s two routed-expert products as the leading arguments of ``ops.experts`` (words or
+    store, type, host distance, part offset, expert size in words, output rows, row bytes), gate+up
+    then down: the fast kernels' words when ``fast``, else the reference store."""
+    parts = []
+    for qtype, part, n_out, row_bytes in ((lay.gu_type, 0, lay.n_ff, lay.gu_row_bytes),
+                                          (lay.down_type, lay.down_offset, n_embd, lay.down_row_bytes)):
+        if fast:
+            words, delta = cache.words(l, qtype)
+            wsz = words.element_size()
+            parts.append((words, qtype, delta, part // wsz, lay.expert_bytes // wsz, n_out, row_bytes))
+        else:
+            st = cache.reference_store(l, qtype)
+            parts.append((st, qtype, 0, part // st.word, 0, n_out, row_bytes))
+    return parts[0], parts[1]
+
+
 @dataclass
 class CacheStats(cached_moe.CacheStats):
     host_seconds: float = 0.0          # policy + boundary work on the host

@@ -51,7 +51,7 @@ from ..kernels import engine_ops
 from ..layers import rope_table
 from ..loader import Weights
 from . import qwen3moe, qwen3next, qwen4exp
-from .cache import ExpertCache
+from .cache import ExpertCache, expert_products
 from .cudacalls import capture_graph
 from .mtp import VERIFY_MAX
 from .prefill import Prefill, prefill_bytes
@@ -478,21 +478,10 @@ class Engine:
             hits = none.clone()
             hits[ids] = torch.arange(k, dtype=torch.int32, device=dev) % n_slots
 
+        gate_up, down = expert_products(self.cache, il, lay, a.n_embd, self.fast)   # as the step's launch
+
         def gpu_once(smap):
-            if not self.fast:           # the reference operations (tests on the CPU): the step's other branch
-                st = self.cache.reference_store(il, lay.gu_type)
-                self.ops.experts(st, lay.gu_type, 0, 0, 0, lay.n_ff, lay.gu_row_bytes, smap, ids, x, h, True, k)
-                st = self.cache.reference_store(il, lay.down_type)
-                self.ops.experts(st, lay.down_type, 0, lay.down_offset // st.word, 0, a.n_embd, lay.down_row_bytes,
-                                 smap, ids, h, y, False, k, w)
-                return
-            words, delta = self.cache.words(il, lay.gu_type)
-            self.ops.experts(words, lay.gu_type, delta, 0, eb // words.element_size(), lay.n_ff, lay.gu_row_bytes,
-                             smap, ids, x, h, True, k, mode="miss")
-            words, delta = self.cache.words(il, lay.down_type)
-            wsz = words.element_size()
-            self.ops.experts(words, lay.down_type, delta, lay.down_offset // wsz, eb // wsz, a.n_embd,
-                             lay.down_row_bytes, smap, ids, h, y, False, k, w, mode="miss")
+            self.ops.experts_ffn(gate_up, down, smap, ids, x, h, y, k, w, mode="miss")
 
         def gpu_seconds(smap, reps=20):
             sync = torch.cuda.synchronize if self.cuda else (lambda d: None)   # the CPU: the same steps, in tests

@@ -32,6 +32,7 @@ from fle_quant.ggml_types import GGMLType
 from ..kernels.cpu_experts.acts import DOT_TYPE
 from ..models.qwen3moe import ModelArgs
 from . import weights as W
+from .cache import expert_products
 
 ARCH = "qwen3moe"
 
@@ -287,27 +288,14 @@ class Net:
         xq = b.xq if q8 else None
         if q8:
             ops.round_acts(b.xn, DOT_TYPE[lay.gu_type] == GGMLType.Q8_K, b.xq)
-        if state.fast:
-            words, delta = cache.words(il, lay.gu_type)
-            ops.experts(words, lay.gu_type, delta, 0, lay.expert_bytes // words.element_size(), lay.n_ff,
-                        lay.gu_row_bytes, smap, ids, b.xn, b.h, True, k, mode=cache.mode, cpu_share=share,
-                        x_miss=xq)
-            if q8:
-                ops.round_acts(b.h, DOT_TYPE[lay.down_type] == GGMLType.Q8_K, b.h, ids, smap)
-            words, delta = cache.words(il, lay.down_type)
-            wsz = words.element_size()
-            ops.experts(words, lay.down_type, delta, lay.down_offset // wsz, lay.expert_bytes // wsz, a.n_embd,
-                        lay.down_row_bytes, smap, ids, b.h, y, False, k, b.wts.view(-1), mode=cache.mode,
-                        cpu_share=share)
+        gate_up, down = expert_products(cache, il, lay, a.n_embd, state.fast)
+        mode = cache.mode if state.fast else "miss"
+        if q8:                                  # the missed rows' activations rounded between the products
+            ops.experts(*gate_up, smap, ids, b.xn, b.h, True, k, mode=mode, cpu_share=share, x_miss=xq)
+            ops.round_acts(b.h, DOT_TYPE[lay.down_type] == GGMLType.Q8_K, b.h, ids, smap)
+            ops.experts(*down, smap, ids, b.h, y, False, k, b.wts.view(-1), mode=mode, cpu_share=share)
         else:
-            st = cache.reference_store(il, lay.gu_type)
-            ops.experts(st, lay.gu_type, 0, 0, 0, lay.n_ff, lay.gu_row_bytes, smap, ids, b.xn, b.h, True, k,
-                        cpu_share=share, x_miss=xq)
-            if q8:
-                ops.round_acts(b.h, DOT_TYPE[lay.down_type] == GGMLType.Q8_K, b.h, ids, smap)
-            st = cache.reference_store(il, lay.down_type)
-            ops.experts(st, lay.down_type, 0, lay.down_offset // st.word, 0, a.n_embd, lay.down_row_bytes, smap,
-                        ids, b.h, y, False, k, b.wts.view(-1), cpu_share=share)
+            ops.experts_ffn(gate_up, down, smap, ids, b.xn, b.h, y, k, b.wts.view(-1), mode=mode, cpu_share=share)
         if m.shared is not None:
             self.shared_expert(m, b.xn, b.sg, b.su, b.sgate, b.y[:, k], impl)
         elif self._n_sh and split is not None:
