@@ -202,11 +202,15 @@ class _Module:
         _check(self.cuda.cuModuleLoadData(ctypes.byref(self.module), cubin), "cuModuleLoadData")
         self.funcs: dict[str, ctypes.c_void_p] = {}
         self.local = threading.local()
-        # the fused launches' counters (zero between launches; one set per device, so fused launches
-        # on a device never run at the same time); not made inside a graph capture, where such a
-        # launch then takes two launches
-        self.sync = (None if torch.cuda.is_current_stream_capturing()
-                     else torch.zeros(_SYNC_WORDS, dtype=torch.int32, device=f"cuda:{dev}"))
+        self.sync: "Tensor | None" = None
+
+    def ffn_sync(self) -> "Tensor | None":
+        """The fused launches' counters (zero between launches; one set per device, so fused launches
+        on a device never run at the same time), made on first use; None while a graph is being
+        captured before they exist (such a launch then takes two launches)."""
+        if self.sync is None and not torch.cuda.is_current_stream_capturing():
+            self.sync = torch.zeros(_SYNC_WORDS, dtype=torch.int32, device=f"cuda:{self.device}")
+        return self.sync
 
     def _ensure_ctx(self) -> None:
         cur = ctypes.c_void_p()
@@ -363,7 +367,7 @@ def ffn_supported(words: Tensor, qtype: GGMLType, x: Tensor, h: Tensor, y: Tenso
         return False
     if not experts_supported(words, qtype, x, h, x_miss, expert_bytes, down_part_bytes, "miss"):
         return False
-    return _module().sync is not None
+    return _module().ffn_sync() is not None
 
 
 def experts_ffn(words: Tensor, qtype: GGMLType, host_delta: int, down_part_words: int, expert_words: int,
