@@ -263,6 +263,26 @@ def test_fused_experts_in_a_graph(pdl, monkeypatch):
     assert not cuda_mv._module().sync.any()
 
 
+@gpu
+@pytest.mark.parametrize("ffn", ["2,8,4,1", "0"])
+def test_ops_table_takes_the_fused_launch(ffn, monkeypatch):
+    """The fast side's experts_ffn launches once when FLE_CUDA_MV_FFN gives a shape and twice
+    otherwise, with the reference's result either way."""
+    monkeypatch.setenv("FLE_CUDA_MV_FFN", ffn)
+    c = _experts_setup(128, True, n_embd=2304)
+    h, y = _ffn_buffers(c)
+    launches = []
+    real = cuda_mv._Module.launch
+    monkeypatch.setattr(cuda_mv._Module, "launch", lambda self, name, *a: (launches.append(name), real(self, name, *a)))
+    gate_up = (c.words, c.qtype, c.delta, 0, c.eb // 4, c.n_ff, c.rb_gu)
+    down = (c.words, c.qtype, c.delta, c.d_off // 4, c.eb // 4, c.n_embd, c.rb_d)
+    engine_ops._experts_ffn_fast(gate_up, down, c.smap, c.ids, c.x, h, y, c.n_used, c.wts, cpu_share=c.share,
+                                 x_miss=c.x_miss)
+    torch.cuda.synchronize()
+    _ffn_check(c, h, y)
+    assert [n.split("_")[1] for n in launches] == (["ffn"] if ffn != "0" else ["gu", "dn"])
+
+
 @pytest.mark.parametrize("value", ["3", "2,4", "4,4,4,0", "2,4,4,5", "2,4,9,0", "x"])
 def test_fused_variable_is_checked(value, monkeypatch):
     from fle_quant.errors import FleError
