@@ -70,16 +70,20 @@ def test_pre_variant_choice():
     assert cuda_mv._pre_kernel(2, 3, (0, 1, 2)) == 2
 
 
-def test_source_compiles(tmp_path):
+@pytest.mark.parametrize("ffn", [False, True])
+def test_source_compiles(ffn, tmp_path):
+    """Both modules of the source: the products, and the fused gate+up+down kernels alone."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc here (the engine compiles the source with NVRTC on the GPU machine)")
     src = tmp_path / "k.cu"
     src.write_text("".join(f"#define KV{i} 0x{w:08X}u\n" for i, w in enumerate(BOOK_WORDS))
-                   + cuda_mv.SOURCE.read_text())
+                   + ("#define FLE_ONLY_FFN 1\n" if ffn else "") + cuda_mv.SOURCE.read_text())
     out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), str(src)],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
+    names = (tmp_path / "k.cubin").read_bytes()           # the ELF's string table holds the kernels' names
+    assert (b"iq4xs_ffn_2_4_p1" in names) == ffn and (b"q8_0_mv_2_p0" in names) != ffn
 
 
 def test_off_without_cuda_or_when_asked(monkeypatch):
@@ -231,7 +235,7 @@ def test_fused_experts_against_reference(config, share, rounded, monkeypatch):
         _ffn(c, h, y)
         torch.cuda.synchronize()
         _ffn_check(c, h, y)
-    assert not cuda_mv._module().sync.any()
+    assert not cuda_mv._module(ffn=True).sync.any()
 
 
 @gpu
@@ -260,7 +264,7 @@ def test_fused_experts_in_a_graph(pdl, monkeypatch):
         torch.cuda.synchronize()
         _close(y.cpu(), d.ref_y)
         _close(out.cpu(), d.ref_y.sum(0), tol=1e-4)
-    assert not cuda_mv._module().sync.any()
+    assert not cuda_mv._module(ffn=True).sync.any()
 
 
 @gpu

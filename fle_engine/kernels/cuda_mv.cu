@@ -277,6 +277,7 @@ __device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, 
     EXPERTS(iq4xs_##GU_OR_DN##_##OPW##_p1, GU, OPW, 1)      \
     EXPERTS(iq4xs_##GU_OR_DN##_##OPW##_p2, GU, OPW, 2)
 
+#ifndef FLE_ONLY_FFN        // the fused kernels alone are their own module (cuda_mv.py)
 EXPERTS_PRE(gu, 1, 1)
 EXPERTS_PRE(gu, 1, 2)
 EXPERTS_PRE(gu, 1, 4)
@@ -284,6 +285,7 @@ EXPERTS_PRE(dn, 0, 1)
 EXPERTS_PRE(dn, 0, 2)
 EXPERTS_PRE(dn, 0, 4)
 EXPERTS_PRE(dn, 0, 8)
+#endif
 
 // Gate+up and down of a layer's routed experts in one launch (h = silu(gate x) * up x, then
 // y = w * down h per routed row), so that the down part's blocks start, and read their weights,
@@ -346,9 +348,11 @@ __device__ __forceinline__ void iq4xs_ffn(const char* base, i64 host_delta, i64 
 
 #define FFN_PRE(GO, DO) FFN(GO, DO, 0) FFN(GO, DO, 1) FFN(GO, DO, 2)
 
+#ifdef FLE_ONLY_FFN
 FFN_PRE(2, 4)
 FFN_PRE(2, 8)
 FFN_PRE(4, 8)
+#endif
 
 // ---------------------------------------------------------------------------
 // Q8_0 (34-byte blocks: f16 d, 32 int8): y[o] = sum over the row's blocks of d * (q . x). A block
@@ -468,6 +472,8 @@ __device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y,
     Q8MV(q8_0_mv_##OPW##_p0_t3, OPW, 0, 3)          \
     Q8MV(q8_0_mv_##OPW##_p0_t4, OPW, 0, 4)
 
+#ifndef FLE_ONLY_FFN
 Q8MV_PRE(1)
 Q8MV_PRE(2)
 Q8MV_PRE(4)
+#endif

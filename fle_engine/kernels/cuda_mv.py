@@ -159,14 +159,16 @@ def _nvrtc() -> ctypes.CDLL:
 
 
 class _Module:
-    """The compiled source on the current device: its kernels by name."""
+    """The compiled source on the current device: its kernels by name. ``ffn``: only the fused
+    gate+up+down kernels (FLE_ONLY_FFN), compiled when first asked for, so that a process that
+    does not use them does not wait for them."""
 
-    def __init__(self):
+    def __init__(self, ffn: bool = False):
         torch.cuda.init()
         dev = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(dev)
         book = "".join(f"#define KV{i} 0x{w:08X}u\n" for i, w in enumerate(BOOK_WORDS))
-        src = (book + SOURCE.read_text()).encode()
+        src = (book + ("#define FLE_ONLY_FFN 1\n" if ffn else "") + SOURCE.read_text()).encode()
         nv = _nvrtc()
         prog = ctypes.c_void_p()
         _check(nv.nvrtcCreateProgram(ctypes.byref(prog), src, b"cuda_mv.cu", 0, None, None), "nvrtcCreateProgram")
@@ -240,7 +242,7 @@ class _Module:
                f"launch of {name}")
 
 
-_MODULE: "_Module | None" = None
+_MODULES: "dict[bool, _Module | None]" = {}     # ffn -> the compiled module (None: it failed, see _FAILED)
 _FAILED: "str | None" = None
 _LOCK = threading.Lock()
 
@@ -260,18 +262,21 @@ def pdl_on() -> bool:
     return os.environ.get("FLE_PDL", PDL_DEFAULT) == "1"
 
 
-def _module() -> "_Module | None":
-    """The compiled kernels, or None (with one warning) when they cannot be built here."""
-    global _MODULE, _FAILED
-    if _MODULE is None and _FAILED is None:
+def _module(ffn: bool = False) -> "_Module | None":
+    """The compiled kernels (``ffn``: the fused ones), or None (with one warning) when they cannot
+    be built here; the fused ones are not built while a graph is being captured."""
+    global _FAILED
+    if ffn not in _MODULES and _FAILED is None:
+        if ffn and torch.cuda.is_current_stream_capturing():
+            return None
         with _LOCK:
-            if _MODULE is None and _FAILED is None:
+            if ffn not in _MODULES and _FAILED is None:
                 try:
-                    _MODULE = _Module()
+                    _MODULES[ffn] = _Module(ffn)
                 except (FleError, OSError) as e:
                     _FAILED = str(e)
                     print(f"warning: {e}; the engine uses Triton's kernels instead", file=sys.stderr)
-    return _MODULE
+    return _MODULES.get(ffn)
 
 
 def _aligned(t: Tensor, n: int) -> bool:
@@ -367,7 +372,8 @@ def ffn_supported(words: Tensor, qtype: GGMLType, x: Tensor, h: Tensor, y: Tenso
         return False
     if not experts_supported(words, qtype, x, h, x_miss, expert_bytes, down_part_bytes, "miss"):
         return False
-    return _module().ffn_sync() is not None
+    mod = _module(ffn=True)
+    return mod is not None and mod.ffn_sync() is not None
 
 
 def experts_ffn(words: Tensor, qtype: GGMLType, host_delta: int, down_part_words: int, expert_words: int,
@@ -384,7 +390,7 @@ def experts_ffn(words: Tensor, qtype: GGMLType, host_delta: int, down_part_words
     n_rows = ids.shape[0]
     gu_bpr = (n_ff + go * warps - 1) // (go * warps)
     dn_bpr = (n_embd + do * warps - 1) // (do * warps)
-    mod = _module()
+    mod = _module(ffn=True)
     args = [_p(words), ctypes.c_longlong(host_delta * word), ctypes.c_longlong(down_part_words * word),
             ctypes.c_longlong(expert_words * word), _p(slot_of), _p(ids), _p(weights), _p(x), _p(h), _p(y),
             ctypes.c_int(n_ff), ctypes.c_int(n_embd), ctypes.c_int(n_sub_gu), ctypes.c_int(n_sub_dn),
