@@ -585,14 +585,15 @@ def dequant_ref(space: WordSpace, qtype: GGMLType, base: Tensor, n_rows: int, ro
 def _fast():
     from . import triton_engine as te
 
-    return SimpleNamespace(experts=_experts_fast, experts_ffn=_experts_ffn_fast, route_topk=te.route_topk, add_rmsnorm=te.add_rmsnorm,
-                           qk_rope_kv=te.qk_rope_kv, attention=te.attention, embed_row=te.embed_row,
-                           hc_write_norm=te.hc_write_norm, hc_mix=te.hc_mix, gather_rows=te.gather_rows,
-                           gdn_step=te.gdn_step, post_misses=te.post_misses, wait_misses=te.wait_misses,
-                           experts_union=te.experts_union, qk_rope_kv_multi=te.qk_rope_kv_multi,
-                           attention_multi=te.attention_multi, dequant=_dequant_fast, gdn_tokens=te.gdn_tokens,
-                           round_acts=te.round_acts, stage_pick=te.stage_pick, stage_copy=te.stage_copy,
-                           stage_apply=te.stage_apply, float_mv=te.float_mv)
+    return SimpleNamespace(experts=_experts_fast, experts_ffn=_experts_ffn_fast, route_topk=te.route_topk,
+                           add_rmsnorm=te.add_rmsnorm, qk_rope_kv=te.qk_rope_kv, attention=te.attention,
+                           embed_row=te.embed_row, hc_write_norm=te.hc_write_norm, hc_mix=te.hc_mix,
+                           gather_rows=te.gather_rows, gdn_step=te.gdn_step, post_misses=te.post_misses,
+                           wait_misses=te.wait_misses, experts_union=te.experts_union,
+                           qk_rope_kv_multi=te.qk_rope_kv_multi, attention_multi=te.attention_multi,
+                           dequant=_dequant_fast, gdn_tokens=te.gdn_tokens, round_acts=te.round_acts,
+                           stage_pick=te.stage_pick, stage_copy=te.stage_copy, stage_apply=te.stage_apply,
+                           float_mv=te.float_mv)
 
 
 def _experts_fast(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int, n_out: int,
@@ -637,14 +638,15 @@ def _dequant_fast(space: WordSpace, qtype: GGMLType, *args, **kw) -> Tensor:
     return triton_dequant.dequant(space.words(qtype), qtype, *args, **kw)
 
 
-REFERENCE = SimpleNamespace(experts=experts_ref, experts_ffn=experts_ffn_ref, route_topk=route_topk_ref, add_rmsnorm=add_rmsnorm_ref,
-                            qk_rope_kv=qk_rope_kv_ref, attention=attention_ref, embed_row=embed_row_ref,
-                            hc_write_norm=hc_write_norm_ref, hc_mix=hc_mix_ref, gather_rows=gather_rows_ref,
-                            gdn_step=gdn_step_ref, post_misses=post_misses_ref, wait_misses=wait_misses_ref,
-                            experts_union=experts_union_ref, qk_rope_kv_multi=qk_rope_kv_multi_ref,
-                            attention_multi=attention_multi_ref, dequant=dequant_ref, gdn_tokens=gdn_tokens_ref,
-                            round_acts=round_acts_ref, stage_pick=stage_pick_ref, stage_copy=stage_copy_ref,
-                            stage_apply=stage_apply_ref, float_mv=float_mv_ref)
+REFERENCE = SimpleNamespace(experts=experts_ref, experts_ffn=experts_ffn_ref, route_topk=route_topk_ref,
+                            add_rmsnorm=add_rmsnorm_ref, qk_rope_kv=qk_rope_kv_ref, attention=attention_ref,
+                            embed_row=embed_row_ref, hc_write_norm=hc_write_norm_ref, hc_mix=hc_mix_ref,
+                            gather_rows=gather_rows_ref, gdn_step=gdn_step_ref, post_misses=post_misses_ref,
+                            wait_misses=wait_misses_ref, experts_union=experts_union_ref,
+                            qk_rope_kv_multi=qk_rope_kv_multi_ref, attention_multi=attention_multi_ref,
+                            dequant=dequant_ref, gdn_tokens=gdn_tokens_ref, round_acts=round_acts_ref,
+                            stage_pick=stage_pick_ref, stage_copy=stage_copy_ref, stage_apply=stage_apply_ref,
+                            float_mv=float_mv_ref)
 
 # name -> (reference, fast) ; the fast side is filled on first use (it imports triton)
 OPS: dict[str, tuple] = {name: (getattr(REFERENCE, name), None) for name in vars(REFERENCE)}
