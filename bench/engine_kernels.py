@@ -423,12 +423,11 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
             t = _time_graph(lambda: [layer(impl, smap, g, mode) for g in range(groups)]) / groups
             row[name + "_us"] = t * 1e6
             row[name + "_GBps"] = bytes_layer / t / 1e9
-        # where a hit layer's time goes: each launch alone, 16 layers' worth back to back
+        # where a hit layer's time goes: each launch alone, 16 layers' worth back to back (two launches only)
         smap = maps["hit"]
-        for part, half in (("gu", gate_up), ("dn", down)):
-            if impl_name != "fused":
-                t = _time_graph(lambda: [half(impl, smap, g, "hit") for g in range(groups)]) / groups
-                row[f"hit_{part}_us"] = t * 1e6
+        for part, half in ((("gu", gate_up), ("dn", down)) if impl_name != "fused" else ()):
+            t = _time_graph(lambda: [half(impl, smap, g, "hit") for g in range(groups)]) / groups
+            row[f"hit_{part}_us"] = t * 1e6
         res["experts"].append(row)
         print(row, flush=True)
     for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL", "FLE_CUDA_MV_FFN"):

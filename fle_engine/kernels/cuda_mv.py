@@ -242,7 +242,7 @@ class _Module:
                f"launch of {name}")
 
 
-_MODULES: "dict[bool, _Module | None]" = {}     # ffn -> the compiled module (None: it failed, see _FAILED)
+_MODULES: "dict[bool, _Module]" = {}     # ffn -> the compiled module (a failure sets _FAILED instead)
 _FAILED: "str | None" = None
 _LOCK = threading.Lock()
 
