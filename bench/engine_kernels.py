@@ -9,6 +9,13 @@ Shapes: the Qwen3-30B-A3B layer (IQ4_XS experts 768 x 2048 gate/up and
 2048 x 768 down, 8 per token; Q8_0 qkv 5120 x 2048, wo 2048 x 4096,
 output 151936 x 2048). Each timed graph runs 16 layers' worth of calls on
 distinct experts so that nothing is served from L2.
+
+Two times per launch: the replayed graph's time per layer (the kernels
+and the gaps between them, as in the decode step), and, with --cuda, the
+kernels' own time on the device ("busy": CUPTI's kernel records through
+torch's profiler, the union of their intervals, as a profiler's achieved
+bandwidth counts it), so that a kernel's bandwidth and the cost of
+launching it are told apart.
 """
 from __future__ import annotations
 
@@ -44,6 +51,37 @@ def _time_graph(fn, reps: int = 20) -> float:
         b.synchronize()
         best = min(best, a.elapsed_time(b) / 1e3)
     return best
+
+
+def busy_intervals(spans) -> float:
+    """Length of the union of (start, end) intervals: the time the device runs at least one of
+    them (kernels that overlap, as with programmatic dependent launch, are counted once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _busy_time(fn, reps: int = 10) -> float | None:
+    """Seconds per call of ``fn`` that the device spends inside the kernels it launches (eager
+    calls, CUPTI's records through torch's profiler), without the gaps between launches that
+    :func:`_time_graph` includes. None where the profiler gives no device records."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    us = busy_intervals(spans)
+    return us / reps / 1e6 if us > 0 else None
 
 
 def ceilings() -> dict:
@@ -113,6 +151,11 @@ def expert_bench(configs, n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -
             t = _time_graph(fn) / groups
             row[name + "_us"] = t * 1e6
             row[name + "_GBps"] = bytes_layer / t / 1e9
+            if name == "hit":                    # the kernels' own time, without the gaps between launches
+                busy = _busy_time(lambda: [layer(impl, smap, g, mode) for g in range(groups)])
+                if busy is not None:
+                    row["hit_busy_us"] = busy / groups * 1e6
+                    row["hit_busy_GBps"] = bytes_layer * groups / busy / 1e9
         out.append(row)
         print(row, flush=True)
     os.environ.pop("FLE_EXPERT_CONFIG", None)
@@ -170,7 +213,11 @@ def read_ceiling(n_expert=128, expert_bytes=2_506_752, k=8, groups=16) -> dict:
             _read[(triton.cdiv(dn_words, block * steps), k)](words, bases[g] + gu_words, out, dn_words, BLOCK=block,
                                                               STEPS=steps, num_warps=4)
     t = _time_graph(fn) / groups
-    return {"us": t * 1e6, "GBps": k * expert_bytes / t / 1e9}
+    res = {"us": t * 1e6, "GBps": k * expert_bytes / t / 1e9}
+    busy = _busy_time(fn)
+    if busy is not None:
+        res.update(busy_us=busy / groups * 1e6, busy_GBps=k * expert_bytes * groups / busy / 1e9)
+    return res
 
 
 def miss_count_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16, counts=(0, 1, 2, 3, 4, 8),
@@ -423,6 +470,11 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
             t = _time_graph(lambda: [layer(impl, smap, g, mode) for g in range(groups)]) / groups
             row[name + "_us"] = t * 1e6
             row[name + "_GBps"] = bytes_layer / t / 1e9
+            if name == "hit":                    # the kernels' own time, without the gaps between launches
+                busy = _busy_time(lambda: [layer(impl, smap, g, mode) for g in range(groups)])
+                if busy is not None:
+                    row["hit_busy_us"] = busy / groups * 1e6
+                    row["hit_busy_GBps"] = bytes_layer * groups / busy / 1e9
         # where a hit layer's time goes: each launch alone, 16 layers' worth back to back (two launches only)
         smap = maps["hit"]
         for part, half in ((("gu", gate_up), ("dn", down)) if impl_name != "fused" else ()):
@@ -460,9 +512,12 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
                 one = lambda m: triton_quant.mul_mat(m, GGMLType.Q8_0, xd, out=yd, config=_dense_config(n_out, 1))
             t = _time_graph(lambda: [one(m) for m in mats]) / reps
             t_after = _time_graph(lambda: [(pad.add_(1.0), one(m)) for m in mats]) / reps - t_pad
+            busy = _busy_time(lambda: [one(m) for m in mats])
             res["dense"].append({"matrix": name, "launch": launch, "us": t * 1e6, "GBps": mats[0].numel() / t / 1e9,
                                  "after_pad_us": t_after * 1e6, "after_pad_GBps": mats[0].numel() / t_after / 1e9,
                                  "max_rel_diff": err})
+            if busy is not None:
+                res["dense"][-1].update(busy_us=busy / reps * 1e6, busy_GBps=mats[0].numel() * reps / busy / 1e9)
             print(res["dense"][-1], flush=True)
         for name_ in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL"):
             os.environ.pop(name_, None)
@@ -542,6 +597,10 @@ def main(argv=None) -> int:
         res["read_ceiling"] = read_ceiling()
         print(res["read_ceiling"], flush=True)
         res.update(cuda_bench())
+        rc, hbm = res["read_ceiling"], res["ceilings"]["hbm_copy_GBps"]
+        print(f"read-only kernel over one layer's expert bytes: {rc['us']:.1f} us = {rc['GBps'] / hbm:.2f} of the "
+              f"device copy" + (f"; its own time {rc['busy_us']:.1f} us = {rc['busy_GBps'] / hbm:.2f}"
+                                if "busy_us" in rc else ""))
         res["dense_rows"] = dense_rows_bench()
         hbm, pin = res["ceilings"]["hbm_copy_GBps"], res["ceilings"]["pinned_h2d_GBps"]
         for name, ceil, unit in (("hit", hbm, "of the device copy"), ("one miss", hbm, "of the device copy"),
@@ -553,6 +612,9 @@ def main(argv=None) -> int:
                       f"{b[name + '_us']:.1f} us, {b[name + '_GBps']:.0f} GB/s = {b[name + '_GBps'] / ceil:.2f} {unit}"
                       + (f" (gate+up alone {b['hit_gu_us']:.1f} us, down alone {b['hit_dn_us']:.1f} us)"
                          if name == "hit" and "hit_gu_us" in b else ""))
+                if name == "hit" and "hit_busy_us" in b:
+                    print(f"  the same launches' own time on the device (no gaps between them): "
+                          f"{b['hit_busy_us']:.1f} us, {b['hit_busy_GBps']:.0f} GB/s = {b['hit_busy_GBps'] / hbm:.2f} {unit}")
         for name in ("qkv", "wo", "output"):
             for impl in ("triton", "cuda"):
                 rs = [r for r in res["dense"] if r["matrix"] == name and r["launch"].startswith(impl)]
@@ -562,6 +624,11 @@ def main(argv=None) -> int:
                 b = min(rs, key=lambda r: r["after_pad_us"])
                 print(f"dense {name} after a small kernel: {impl} best {b['launch']} {b['after_pad_us']:.1f} us, "
                       f"{b['after_pad_GBps']:.0f} GB/s = {b['after_pad_GBps'] / hbm:.2f} of the device copy")
+                rs = [r for r in rs if "busy_us" in r]
+                if rs:
+                    b = min(rs, key=lambda r: r["busy_us"])
+                    print(f"dense {name}, the kernel's own time: {impl} best {b['launch']} {b['busy_us']:.1f} us, "
+                          f"{b['busy_GBps']:.0f} GB/s = {b['busy_GBps'] / hbm:.2f} of the device copy")
         for r in res["dense_rows"]:
             one = next(q for q in res["dense_rows"] if q["matrix"] == r["matrix"] and q["T"] == 1)
             rel = r["cuda_us"] / one["cuda_us"]
