@@ -30,6 +30,16 @@ logical batch as large as the longest prompt), FLE with ``--fle-ubatch``
 micro-batches, the same GPU bytes; the ratio of the bests per length, the
 bytes FLE streamed and the time its compute waited for copies.
 ``--no-decode`` skips the decode runs.
+
+``--verify calibrated`` adds the verify step of drafted decoding on that
+routing's file (bench/verify_step.py, in the same run): the cost T(n) of a
+step of 1 + n tokens, n = 0..3, with the same cache budget, the PCIe bytes
+per step against the sum over its tokens, and the decode rate that T(n)
+gives at the report's acceptance (MODELLED, printed as such); on a file
+with an MTP head also the head's measured acceptance.
+
+``--device cpu --skip-upstream --shape tiny`` runs FLE's side on the CPU
+(a smoke test of the script; its times mean nothing).
 """
 from __future__ import annotations
 
@@ -220,12 +230,21 @@ def shape_overrides(o: dict) -> dict:
 
 
 def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: int = 0,
-               miss_split: str = "gpu", prefetch: int = 0, host_experts: str = "auto") -> dict:
+               miss_split: str = "gpu", prefetch: int = 0, host_experts: str = "auto", device: str = "cuda") -> dict:
     import torch
 
     from fle_engine.runtime import Engine
 
-    eng = Engine(model, device="cuda", cache_budget=budget, ctx_size=max(512, n_gen + 8), profile_path="none",
+    cuda = device == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def allocated():
+        return torch.cuda.memory_allocated() if cuda else 0
+
+    eng = Engine(model, device=device, cache_budget=budget, ctx_size=max(512, n_gen + 8), profile_path="none",
                  progress=False, miss_split=miss_split, miss_prefetch=prefetch, host_experts=host_experts)
     rng = np.random.default_rng(seed)
     n_vocab = eng.args.n_vocab
@@ -237,15 +256,15 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
     launch0, replay0, bnd0 = eng.stats.launch_seconds, eng.stats.replay_seconds, st0.boundary_seconds
     sp = eng.split
     cpu0, busy0 = (sp.cpu_experts, sp.busy_seconds) if sp is not None else (0, 0.0)
-    mem0 = torch.cuda.memory_allocated()
+    mem0 = allocated()
     if eng.prefetch is not None:
         eng.prefetch.reset_counts()
     for _ in range(reps):
         feed = rng.integers(n_vocab, size=n_gen).tolist()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         eng.generate([int(rng.integers(n_vocab))], n_gen, feed=feed)
-        torch.cuda.synchronize()
+        sync()
         speeds.append(n_gen / (time.perf_counter() - t0))
     st = eng.cache.stats
     steps = st.steps - s0
@@ -258,7 +277,7 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
                host_replay_ms_per_token=(eng.stats.replay_seconds - replay0) / max(1, steps) * 1e3,
                cuda_calls=getattr(getattr(eng.cache, "calls", None), "name", None),
                cache_bytes=eng.cache.budget_used, slots=sum(eng.cache.slots_per_layer.values()),
-               gpu_allocated=torch.cuda.memory_allocated(), gpu_allocated_before=mem0,
+               gpu_allocated=allocated(), gpu_allocated_before=mem0,
                miss_split=miss_split, cpu_share=(sp.share / 256 if sp is not None else 0.0),
                cpu_kernels=(sp.cpu.name if sp is not None else None),
                cpu_misses_per_token=((sp.cpu_experts - cpu0) / max(1, steps) if sp is not None else 0.0),
@@ -269,7 +288,31 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
     eng.close()
     del eng
     gc.collect()                # an engine left in reference cycles keeps its GPU tensors until collected
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
+    return res
+
+
+def _verify_step_module():
+    """bench/verify_step.py as a module (its run and report)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_verify_step", Path(__file__).with_name("verify_step.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fle_verify(model: Path, budget: int, miss_split: str, warmup: int, reps: int, device: str, mtp: bool) -> dict:
+    """The verify step's cost T(n), n = 0..3, on ``model`` with ``budget`` bytes of cache
+    (bench/verify_step.py's measurement, printed with its report); with an MTP head in the
+    file, the engine's step drafter also runs, giving the head's measured acceptance."""
+    vs = _verify_step_module()
+    res = vs.run(model, budget, device, warmup, reps, 0.0, vs.ACCEPT, 0, miss_split=miss_split,
+                 drafters=("step",) if mtp else ())
+    vs.report(res)
+    if not mtp:
+        print("measured acceptance: none here (this file has no MTP head; the modelled rates use the report's)")
     return res
 
 
@@ -507,8 +550,22 @@ def main(argv=None) -> int:
                         "-ub 512 and 4096, FLE with --fle-ubatch, the same GPU bytes, on the first routing's file")
     p.add_argument("--fle-ubatch", default="4096,8192", help="FLE's micro-batches for --prefill, comma list")
     p.add_argument("--no-decode", action="store_true", help="skip the decode runs (with --prefill)")
+    p.add_argument("--verify", default="",
+                   help="routings (comma list, e.g. calibrated) whose file also gets the verify step's cost T(n), "
+                        "n = 0..3, with the same cache budget (bench/verify_step.py)")
+    p.add_argument("--verify-split", default="auto", help="the verify step's --miss-split (default auto)")
+    p.add_argument("--verify-warmup", type=int, default=256, help="tokens decoded before the verify step is timed")
+    p.add_argument("--verify-reps", type=int, default=30, help="replays per verify step size")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="FLE's device (cpu: a smoke test of the script, with --skip-upstream; times mean nothing)")
     args = p.parse_args(argv)
     kernel_sets = args.kernels.split(",")
+    if args.device != "cuda" and not args.skip_upstream:
+        raise SystemExit("--device cpu runs FLE alone: add --skip-upstream")
+    if args.device != "cuda" and args.prefill:
+        raise SystemExit("--prefill measures on the GPU: leave out --device cpu")
+    if args.device != "cuda":
+        args.link_gbps = 0              # the link model reads the pinned copy speed of a GPU
 
     from fle_quant.gguf_reader import GGUFModel
     from fle_quant.synth.fast import make_fast_model
@@ -586,7 +643,7 @@ def main(argv=None) -> int:
             key += "" if kern == "cuda" else f"/{kern}"
             with _kernels(kern):
                 f = row["fle_split"][key] = fle_decode(path, budget, args.n_gen, args.reps, miss_split=split,
-                                                       prefetch=pf, host_experts=host)
+                                                       prefetch=pf, host_experts=host, device=args.device)
             f["kernels"] = kern
             if f["prefetch"] is not None:
                 q = f["prefetch"]
@@ -630,13 +687,18 @@ def main(argv=None) -> int:
             for kern in kernel_sets:
                 tag = "" if kern == kernel_sets[0] else f"_{kern}"
                 with _kernels(kern):
-                    g = row["fle_all_gpu" + tag] = fle_decode(path, exp_bytes * 2, args.n_gen, args.reps)
+                    g = row["fle_all_gpu" + tag] = fle_decode(path, exp_bytes * 2, args.n_gen, args.reps,
+                                                              device=args.device)
                 g["kernels"] = kern
                 msg = f"[all on the GPU] FLE ({kern} kernels) {g['tok_s']:.1f} tok/s"
                 if "upstream_tok_s" in row:
                     row["all_gpu_ratio" + tag] = g["tok_s"] / row["upstream_all_gpu_tok_s"]
                     msg += f", upstream {row['upstream_all_gpu_tok_s']:.1f}, ratio {row['all_gpu_ratio' + tag]:.2f}"
                 print(msg, flush=True)
+        if routing in args.verify.split(","):
+            print(f"[{routing}] verify step (misses {args.verify_split}):", flush=True)
+            row["verify"] = fle_verify(path, budget, args.verify_split, args.verify_warmup, args.verify_reps,
+                                       args.device, shape.get("mtp", "none") != "none")
         results["runs"].append(row)
         if args.checks and routing == args.routing.split(",")[-1]:
             results["checks"] = {"ctx": ctx_check(path, budget), "memory": memory_check(path, budget,

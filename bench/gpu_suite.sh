@@ -13,7 +13,7 @@
 #   decode   FLE decode against upstream at the same GPU bytes, near-uniform and calibrated routing, misses
 #            on the GPU, split with the CPU, and with the experts memory-mapped (all on the CPU); everything on
 #            the GPU for both (the first routing's file); FLE with two expert launches per layer and with
-#            the one launch (kernel sets cuda, cuda-ffn)
+#            the one launch (kernel sets cuda, cuda-ffn); the verify step T(n), n = 0..3, at the calibrated skew
 #   kernels  the CUDA C kernels against their references (tests/test_cuda_mv.py), the engine's greedy tokens
 #            and KLD with the one-launch gate+up+down (FLE_CUDA_MV_FFN), then the kernel timings of one
 #            layer, Triton's against CUDA C's, two launches against one (bench/engine_kernels.py --cuda)
@@ -67,7 +67,7 @@ for s in $STAGES; do
                      --prefill 4096,8192 --no-decode --routing calibrated -r 2 --fle-ubatch 8192 \
                      --json "$OUT/prefill.json" ;;
         decode) wait_build && stage decode python3 bench/engine.py --llama-bench "$LLAMA_BENCH" -n 64 -r 2 \
-                    --routing uniform,calibrated --miss-split gpu,auto --mapped --kernels cuda,cuda-ffn --json "$OUT/decode.json" ;;
+                    --routing uniform,calibrated --miss-split gpu,auto --mapped --kernels cuda,cuda-ffn --verify calibrated --json "$OUT/decode.json" ;;
         kernels) stage kernels-tests python3 -m pytest -q -n 6 tests/test_cuda_mv.py
                  FLE_CUDA_MV_FFN=2,4,4,1 stage kernels-engine python3 -m pytest -q -n 8 tests/test_engine.py \
                      -k "experts_kernel or greedy or kld or captured or split"
