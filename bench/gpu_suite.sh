@@ -67,7 +67,8 @@ for s in $STAGES; do
                      --prefill 4096,8192 --no-decode --routing calibrated -r 2 --fle-ubatch 8192 \
                      --json "$OUT/prefill.json" ;;
         decode) wait_build && stage decode python3 bench/engine.py --llama-bench "$LLAMA_BENCH" -n 64 -r 2 \
-                    --routing uniform,calibrated --miss-split gpu,auto --mapped --kernels cuda,cuda-ffn --verify calibrated --json "$OUT/decode.json" ;;
+                    --routing uniform,calibrated --miss-split gpu,auto --mapped --kernels cuda,cuda-ffn \
+                    --verify calibrated --json "$OUT/decode.json" ;;
         kernels) stage kernels-tests python3 -m pytest -q -n 6 tests/test_cuda_mv.py
                  FLE_CUDA_MV_FFN=2,4,4,1 stage kernels-engine python3 -m pytest -q -n 8 tests/test_engine.py \
                      -k "experts_kernel or greedy or kld or captured or split"
