@@ -17,9 +17,11 @@ layers, 128 experts, 8 used, IQ4_XS experts, Q8_0 dense; or ``--shape``
 
 Both decode random tokens one at a time from position 0 (llama-bench's tg
 test; FLE feeds the same kind of tokens). FLE's expert cache is warmed by
-one unmeasured run of the same length first (llama-bench's warm-up run
-does the same for its caches); its hit rate and misses per token are
-printed. Routing: near-uniform (skew 0) and a skew calibrated so that
+one unmeasured run first (llama-bench's warm-up run does the same for its
+caches) of ``--fle-warmup`` tokens (default 512, at least ``-n``): with 512
+experts per layer the policy needs a few hundred tokens to settle, which a
+saved usage profile gives a user's engine at start; its hit rate and
+misses per token are printed. Routing: near-uniform (skew 0) and a skew calibrated so that
 FLE's policy hits 88-93 % at 1/3 of the experts cached (the report's
 91.2 % at 173 of 512 slots); the calibration simulates the policy on the
 file's routing model and prints the curve beside the report's points.
@@ -230,7 +232,8 @@ def shape_overrides(o: dict) -> dict:
 
 
 def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: int = 0,
-               miss_split: str = "gpu", prefetch: int = 0, host_experts: str = "auto", device: str = "cuda") -> dict:
+               miss_split: str = "gpu", prefetch: int = 0, host_experts: str = "auto", device: str = "cuda",
+               warmup: int = 0) -> dict:
     import torch
 
     from fle_engine.runtime import Engine
@@ -244,12 +247,13 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
     def allocated():
         return torch.cuda.memory_allocated() if cuda else 0
 
-    eng = Engine(model, device=device, cache_budget=budget, ctx_size=max(512, n_gen + 8), profile_path="none",
+    warmup = max(warmup, n_gen)
+    eng = Engine(model, device=device, cache_budget=budget, ctx_size=max(512, warmup + 8), profile_path="none",
                  progress=False, miss_split=miss_split, miss_prefetch=prefetch, host_experts=host_experts)
     rng = np.random.default_rng(seed)
     n_vocab = eng.args.n_vocab
     first = int(rng.integers(n_vocab))
-    eng.generate([first], n_gen, feed=rng.integers(n_vocab, size=n_gen).tolist())      # warm-up (unmeasured)
+    eng.generate([first], warmup, feed=rng.integers(n_vocab, size=warmup).tolist())    # warm-up (unmeasured)
     speeds = []
     st0 = eng.cache.stats
     h0, r0, s0, a0, host0 = st0.hits, st0.requests, st0.steps, st0.admissions, st0.host_seconds
@@ -268,7 +272,8 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
         speeds.append(n_gen / (time.perf_counter() - t0))
     st = eng.cache.stats
     steps = st.steps - s0
-    res = dict(tok_s=float(np.mean(speeds)), tok_s_runs=speeds, hit_rate=(st.hits - h0) / max(1, st.requests - r0),
+    res = dict(tok_s=float(np.mean(speeds)), tok_s_runs=speeds, warmup_tokens=warmup,
+               hit_rate=(st.hits - h0) / max(1, st.requests - r0),
                misses_per_token=(st.requests - r0 - (st.hits - h0)) / max(1, steps),
                admissions_per_token=(st.admissions - a0) / max(1, steps),
                host_policy_ms_per_token=(st.host_seconds - host0) / max(1, steps) * 1e3,
@@ -521,6 +526,8 @@ def main(argv=None) -> int:
     p.add_argument("--routing", default="uniform,calibrated", help="uniform, calibrated or a skew value; comma list")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="tokens decoded per run (llama-bench -n)")
     p.add_argument("-r", "--reps", type=int, default=3)
+    p.add_argument("--fle-warmup", type=int, default=512,
+                   help="tokens FLE decodes, unmeasured, before its timed runs (at least -n; default 512)")
     p.add_argument("-t", "--threads", type=int, default=16)
     p.add_argument("--no-all-gpu", action="store_true", help="skip the runs with every expert on the GPU")
     p.add_argument("--skip-upstream", action="store_true")
@@ -643,7 +650,8 @@ def main(argv=None) -> int:
             key += "" if kern == "cuda" else f"/{kern}"
             with _kernels(kern):
                 f = row["fle_split"][key] = fle_decode(path, budget, args.n_gen, args.reps, miss_split=split,
-                                                       prefetch=pf, host_experts=host, device=args.device)
+                                                       prefetch=pf, host_experts=host, device=args.device,
+                                                       warmup=args.fle_warmup)
             f["kernels"] = kern
             if f["prefetch"] is not None:
                 q = f["prefetch"]
@@ -688,7 +696,7 @@ def main(argv=None) -> int:
                 tag = "" if kern == kernel_sets[0] else f"_{kern}"
                 with _kernels(kern):
                     g = row["fle_all_gpu" + tag] = fle_decode(path, exp_bytes * 2, args.n_gen, args.reps,
-                                                              device=args.device)
+                                                              device=args.device, warmup=args.fle_warmup)
                 g["kernels"] = kern
                 msg = f"[all on the GPU] FLE ({kern} kernels) {g['tok_s']:.1f} tok/s"
                 if "upstream_tok_s" in row:

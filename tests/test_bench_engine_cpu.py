@@ -23,13 +23,13 @@ def bench():
 def test_cpu_smoke_decode_and_verify(bench, tmp_path, capsys):
     out = tmp_path / "res.json"
     rc = bench.main(["--shape", "tiny", "--skip-upstream", "--device", "cpu", "-n", "4", "-r", "1",
-                     "--routing", "uniform", "--no-all-gpu", "--verify", "uniform", "--verify-warmup", "4",
+                     "--routing", "uniform", "--no-all-gpu", "--fle-warmup", "4", "--verify", "uniform", "--verify-warmup", "4",
                      "--verify-reps", "1", "--verify-split", "gpu", "--work", str(tmp_path), "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     (row,) = res["runs"]
     f = row["fle"]
-    assert f["tok_s"] > 0 and 0.0 <= f["hit_rate"] <= 1.0 and f["gpu_allocated"] == 0
+    assert f["warmup_tokens"] == 4 and f["tok_s"] > 0 and 0.0 <= f["hit_rate"] <= 1.0 and f["gpu_allocated"] == 0
     v = row["verify"]
     assert [r["drafts"] for r in v["rows"]] == [0, 1, 2, 3]
     assert all(r["seconds"] > 0 and r["tokens"] == r["drafts"] + 1 for r in v["rows"])
