@@ -18,6 +18,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from fle_engine import load  # noqa: E402
 from fle_engine.kernels import engine_ops  # noqa: E402
 from fle_engine.runtime import Engine  # noqa: E402
 from fle_engine.runtime.prefill import grouped_mm, sort_by_expert  # noqa: E402
@@ -313,6 +314,136 @@ def test_prefill_bf16_close_to_float32(model_file):
     bf = eng.state.bufs.logits[0].cpu().clone()
     eng.close()
     assert _logits_kld(f32, bf) < 1e-3
+
+
+# ---------------------------------------------------------------------------
+# prefill against the reference forward pass (fle_engine.load), every architecture
+
+
+@pytest.fixture(scope="module")
+def next_file(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("prefill_next") / "n.gguf", "qwen3next", seed=4, mix="release",
+                      routing_skew=1.0)
+
+
+ARCH_FILES = {"qwen3moe": "model_file", "qwen3next": "next_file", "qwen4exp": "q4_file"}
+REF_PROMPT = [int(t) for t in np.random.default_rng(11).integers(1, 200, 40)]
+
+
+@pytest.fixture(scope="module")
+def reference_logits():
+    """Every position's logits [T, V] of the reference pass (float32), per
+    file and prompt, computed once."""
+    memo = {}
+
+    def get(path, prompt):
+        key = (str(path), tuple(prompt))
+        if key not in memo:
+            memo[key] = torch.from_numpy(load(path, device=DEVICE, experts="resident").logits(prompt)).float()
+        return memo[key]
+    return get
+
+
+def _prefill_logits(eng, prompt):
+    """Every position's logits [T, V] of a prefill of ``prompt`` from
+    position 0: the rows the prefill keeps (``keep_hidden``) through the
+    head the way the prefill takes its last row through it (qwen4exp: the
+    wide residual normed and read by the output hyper-connection first)."""
+    eng.reset()
+    eng.prefill.run(prompt, 0, keep_hidden=True)
+    net, st, ops, a = eng.net, eng.state, eng.ops, eng.args
+    h = eng.prefill.hidden                        # [T, D] after the output norm; qwen4exp [T, S, D]
+    if h.dim() == 3:
+        hxn = torch.empty_like(h)
+        ops.hc_write_norm(h, None, None, a.hc, net.output_hc.norm, a.eps, hxn)
+        h, _ = net.prefill_hc_read(net.output_hc, hxn, st, ops)
+    out = torch.empty(h.shape[0], a.n_vocab, dtype=torch.float32, device=h.device)
+    net.output.matvec(h.contiguous(), out, net.impl(st))
+    _close(out[-1].cpu(), st.bufs.logits[0].float().cpu(), 1e-5)     # the row the prefill took through the head
+    return out.cpu()
+
+
+def _kld_rows(ref, got):
+    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def _cache_contents(cache):
+    """The expert->slot maps (host mirror and device map), the slot->expert
+    lists and the bytes of every slot that holds an expert."""
+    if CUDA:
+        torch.cuda.synchronize()                  # admissions copied on the side stream have landed
+    slots = cache.slots.cpu()
+    held = {}
+    for i, l in enumerate(cache.layers):
+        eb = cache.layouts[l].expert_bytes
+        for s, e in enumerate(cache.expert_in[i].tolist()):
+            if e >= 0:
+                o = cache.region[l] + s * eb
+                held[(l, s)] = slots[o:o + eb].clone()
+    return (cache.mirror.copy(), cache.map.cpu().clone(), [x.copy() for x in cache.expert_in], held)
+
+
+@pytest.mark.parametrize("lend", [True, False], ids=["lent", "own"])
+@pytest.mark.parametrize("arch", sorted(ARCH_FILES))
+def test_prefill_equals_reference(request, reference_logits, arch, lend):
+    """A 40-token prompt in micro-batches of 16 with float32 products gives
+    the reference pass's logits at every position (mean KLD <= 1e-4, the
+    same greedy tokens), with the staging ring lent from the back of the
+    cache's slot buffer (6 slots per layer: room for the ring) and with a
+    ring of its own (2 slots per layer). The cache holds what it held
+    before: its maps, and the bytes of every slot holding an expert (the
+    lent layers' slots copied back)."""
+    path = request.getfixturevalue(ARCH_FILES[arch])
+    ref = reference_logits(path, REF_PROMPT)
+    eng = _engine(path, 6 if lend else 2, ubatch=16)
+    eng.prefill_min = len(REF_PROMPT) + 1
+    eng.generate(REF_PROMPT[:12], 12)             # decode steps: experts admitted into their slots
+    before = _cache_contents(eng.cache)
+    got = _prefill_logits(eng, REF_PROMPT)
+    st = eng.prefill.stats
+    assert st.tokens == len(REF_PROMPT) and st.ubatches == 3
+    mirror, dmap, expert_in, held = before
+    if lend:
+        assert st.lent_layers and st.lent_layers[-1] == eng.cache.layers[-1]
+        assert any(l in st.lent_layers for l, _ in held)          # a lent slot held an expert: given back
+        assert any(l not in st.lent_layers for l, _ in held)      # and a layer read from its slots
+    else:
+        assert st.lent_layers == []
+    kld = _kld_rows(ref, got)
+    assert float(kld.mean()) <= 1e-4, float(kld.mean())
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    after = _cache_contents(eng.cache)
+    assert np.array_equal(after[0], mirror) and torch.equal(after[1], dmap)
+    assert all(np.array_equal(a, b) for a, b in zip(after[2], expert_in))
+    assert after[3].keys() == held.keys() and all(after[3][k].equal(v) for k, v in held.items())
+    eng.close()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_FILES))
+def test_prefill_bf16_against_float32(request, arch, capsys):
+    """The bfloat16 products (the default on CUDA) against float32 on the
+    same engine: mean KLD over every position of four 40-token prompts at
+    micro-batches of 16, printed (``pytest -s``; docs/engine.md quotes it).
+    Bounded loosely: on these small random models a token whose top-K expert
+    set is a near tie can pick another expert and move its logits far."""
+    path = request.getfixturevalue(ARCH_FILES[arch])
+    eng = _engine(path, 2, ubatch=16)
+    per_prompt = []
+    for seed in (5, 6, 7, 11):
+        prompt = [int(t) for t in np.random.default_rng(seed).integers(1, 200, 40)]
+        eng.prefill.bf16 = False
+        f32 = _prefill_logits(eng, prompt)
+        eng.prefill.bf16 = True
+        bf = _prefill_logits(eng, prompt)
+        k = _kld_rows(f32, bf)
+        per_prompt.append((float(k.mean()), float(k[-1])))
+    eng.close()
+    with capsys.disabled():
+        print(f"\nprefill bf16 against float32, {arch}, -ub 16, 40 tokens: mean KLD per prompt "
+              + ", ".join(f"{m:.1e}" for m, _ in per_prompt) + "; last token's "
+              + ", ".join(f"{x:.1e}" for _, x in per_prompt))
+    assert all(0 < m < 5e-2 for m, _ in per_prompt)
 
 
 def test_iq4_words_are_the_code_book():
