@@ -67,11 +67,16 @@ def expert_products(cache: "ExpertCache | ResidentExperts", l: int, lay: ExpertL
 
 @dataclass
 class CacheStats(cached_moe.CacheStats):
+    # the steps' rows: a batched step of the lanes or a verify step carries several tokens, a decode step one
+    tokens: int = 0
     host_seconds: float = 0.0          # policy + boundary work on the host
     boundary_seconds: float = 0.0      # of which applying decisions at step boundaries (map, copies, events)
 
     def misses_per_step(self) -> float:
         return (self.requests - self.hits) / self.steps if self.steps else 0.0
+
+    def misses_per_token(self) -> float:
+        return (self.requests - self.hits) / self.tokens if self.tokens else 0.0
 
 
 class ExpertCache:
@@ -256,13 +261,14 @@ class ExpertCache:
         self.mirror[li, e] = s
 
     # one step ---------------------------------------------------------------------
-    def observe(self, ids: np.ndarray, hits: np.ndarray) -> None:
-        """The routed ids [L, N] of one finished step and the device's hit
-        flags for them: statistics, then the policy's decisions (applied at
-        the next boundary)."""
+    def observe(self, ids: np.ndarray, hits: np.ndarray, tokens: int = 1) -> None:
+        """The routed ids [L, N] of one finished step of ``tokens`` rows (N =
+        rows x K) and the device's hit flags for them: statistics, then the
+        policy's decisions (applied at the next boundary)."""
         t0 = time.perf_counter()
         st = self.stats
         st.steps += 1
+        st.tokens += tokens
         st.requests += ids.size
         st.hits += int(np.count_nonzero(hits))
         _, adm = self.policy.step(ids)

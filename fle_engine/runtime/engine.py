@@ -120,16 +120,19 @@ class RunStats:
                 f"(per-token sum {self.multi_pcie_bytes_sum / mb:.1f} + {self.multi_cpu_bytes_sum / mb:.1f} MB)")
 
     def summary(self, cache) -> str:
+        """Throughput, the expert cache's figures and the host time; "per
+        token" divides by the rows the steps ran (a batched or verify step
+        carries several), not by steps."""
         st = cache.stats
-        steps = max(st.steps, 1)
+        tokens = max(st.tokens, 1)
         p_tps = self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
         g_tps = self.gen_tokens / self.gen_seconds if self.gen_seconds else 0.0
         return (f"prompt: {self.prompt_tokens} tokens, {self.prompt_seconds * 1e3:.1f} ms ({p_tps:.2f} tok/s) | "
                 f"eval: {self.gen_tokens} tokens, {self.gen_seconds * 1e3:.1f} ms ({g_tps:.2f} tok/s) | "
-                f"expert cache: hit rate {st.hit_rate:.3f}, {st.misses_per_step():.1f} misses/token, "
-                f"{st.admissions} admissions | host time {st.host_seconds / steps * 1e3:.3f} ms/token policy, "
-                f"{self.launch_seconds / steps * 1e3:.3f} ms/token launches "
-                f"({self.replay_seconds / steps * 1e3:.3f} of them graph replays)")
+                f"expert cache: hit rate {st.hit_rate:.3f}, {st.misses_per_token():.1f} misses/token, "
+                f"{st.admissions} admissions | host time {st.host_seconds / tokens * 1e3:.3f} ms/token policy, "
+                f"{self.launch_seconds / tokens * 1e3:.3f} ms/token launches "
+                f"({self.replay_seconds / tokens * 1e3:.3f} of them graph replays)")
 
 
 # what the engine keeps per lane besides the device state (Engine.select swaps them in)
@@ -341,6 +344,8 @@ class Engine:
         self.stats = RunStats()
         # cached experts used per step, for the hit rate over time (the last 2^20 steps: bounded in a server)
         self.step_hits = deque(maxlen=1 << 20)
+        # per lane: routed-expert lookups and hits of its rows in the steps read (a request's hit rate)
+        self.lane_routed = np.zeros((self.n_seq, 2), np.int64)
         self.length = 0
         self.history: list = []          # the tokens whose effect the state holds, position by position
         self._last_tok = None            # the output of the last step read (or of a prefill)
@@ -708,7 +713,9 @@ class Engine:
             self.cache.calls.synchronize(self._ring_ev[i])
         hits = self._ring_hits[i]
         self.cache.observe(self._ring_ids[i], hits)
-        self.step_hits.append(int(hits.sum()))
+        n_hit = int(np.count_nonzero(hits))
+        self.step_hits.append(n_hit)
+        self.lane_routed[self._lane] += (hits.size, n_hit)
         if self.split is not None:
             self.split.check()
         self.consumed += 1
@@ -1094,6 +1101,11 @@ class Engine:
             self.cache.calls.synchronize(self._lanes_ev)
         self.stats.launch_seconds += time.perf_counter() - t0
         self._lanes_routing = (par, n)
+        # each row's lookups and hits go to its lane now (distinct lanes), so a request ending here counts them
+        n_layer, k = self.args.n_layer, self.args.n_expert_used
+        self.lane_routed[ls, 0] += n_layer * k
+        self.lane_routed[ls, 1] += np.count_nonzero(self._b_hits[par][:, :n * k].numpy().reshape(n_layer, n, k),
+                                                    axis=(0, 2))
         self._park()
         nxt = self._b_next[:n].tolist()
         for j, i in enumerate(ls):
@@ -1129,7 +1141,7 @@ class Engine:
         k = self.args.n_expert_used
         hits = self._b_hits[par][:, :n * k].numpy()
         ids = self._b_ids[par][:, :n * k].numpy()
-        self.cache.observe(ids, hits)
+        self.cache.observe(ids, hits, n)
         self._count_multi(ids, hits, n)
         self.step_hits.append(int(hits.sum()))
 
@@ -1309,8 +1321,10 @@ class Engine:
         self.launched += n
         self.consumed += n
         self.length = self.launched + 1
-        self.cache.observe(self._multi_ids[:, :n * k].numpy(), self._multi_hits[:, :n * k].numpy())
-        self._count_multi(self._multi_ids[:, :n * k].numpy(), self._multi_hits[:, :n * k].numpy(), n)
+        ids, hits = self._multi_ids[:, :n * k].numpy(), self._multi_hits[:, :n * k].numpy()
+        self.cache.observe(ids, hits, n)
+        self._count_multi(ids, hits, n)
+        self.lane_routed[self._lane] += (hits.size, np.count_nonzero(hits))
         self._multi_at = (self.launched, n)        # what a rewind of a recurrent net may undo
         return self._multi_tok_out[:n].tolist()
 

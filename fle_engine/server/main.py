@@ -127,5 +127,15 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
         asyncio.run(_listen(engine, host, port, log, api_key))
     finally:
         if runtime is not None:
-            model.close()            # saves the expert cache's usage profile
+            model.close()            # saves the expert cache's usage profile, counts the last step's routing
+            _print_summary(model, log)
     return 0
+
+
+def _print_summary(model, log: TextIO) -> None:
+    """The engine's run as ``fle-engine generate`` ends it (throughput, the
+    expert cache's hit rate and misses per token, host time per token), as
+    llama-server prints its timings at exit; nothing if nothing ran."""
+    st = model.stats
+    if st.prompt_tokens or st.gen_tokens or model.cache.stats.tokens:
+        print(f"fle-engine: {st.summary(model.cache)}", file=log, flush=True)

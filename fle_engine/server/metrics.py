@@ -1,27 +1,42 @@
 """``/metrics``: Prometheus text (prometheus-client), llama-server's
 ``llamacpp:*`` counters and gauges plus FLE's own: the prompt cache, MTP
-drafts and, where the model runs one, the expert cache's hit rate and
-misses per token."""
+drafts and, where the model runs one, the expert cache's hit rate, misses
+per token and host time per token (tokens: the rows the steps ran; a
+batched step of the slots carries one per slot)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
+def _tokens(st) -> int:
+    # the rows the steps ran where the stats count them (the engine's cache), else the steps
+    return int(getattr(st, "tokens", st.steps))
+
+
 def expert_cache_stats(model) -> tuple[int, int, int] | None:
-    """(requests, hits, steps) of the model's expert cache, or None without one."""
+    """(requests, hits, tokens) of the model's expert cache, or None without one."""
     cache = getattr(model, "cache", None)
     st = getattr(cache, "stats", None)
     if st is not None and hasattr(st, "hits"):
-        return int(st.requests), int(st.hits), int(st.steps)
-    req = hit = steps = 0
+        return int(st.requests), int(st.hits), _tokens(st)
+    req = hit = tokens = 0
     found = False
     for moe in getattr(model, "moe_layers", lambda: [])() if callable(getattr(model, "moe_layers", None)) else []:
         s = getattr(getattr(moe, "store", None), "stats", None)
         if s is not None:
             found = True
-            req, hit, steps = req + s.requests, hit + s.hits, max(steps, s.steps)
-    return (req, hit, steps) if found else None
+            req, hit, tokens = req + s.requests, hit + s.hits, max(tokens, _tokens(s))
+    return (req, hit, tokens) if found else None
+
+
+def expert_cache_host_seconds(model) -> tuple[float, int] | None:
+    """(host seconds of the expert cache's policy and step boundaries,
+    tokens) of the engine's cache, or None where the model has no such cache."""
+    st = getattr(getattr(model, "cache", None), "stats", None)
+    if st is None or not hasattr(st, "host_seconds"):
+        return None
+    return float(st.host_seconds), _tokens(st)
 
 
 class _Collector:
@@ -59,13 +74,18 @@ class _Collector:
         yield c("fle:draft_tokens_accepted", "MTP draft tokens accepted.", e.n_accepted_total)
         st = expert_cache_stats(e.model)
         if st is not None:
-            req, hit, steps = st
+            req, hit, tokens = st
             yield c("fle:expert_cache_requests", "Routed-expert lookups.", req)
             yield c("fle:expert_cache_hits", "Routed-expert lookups served from the expert cache.", hit)
             yield c("fle:expert_cache_misses", "Routed-expert lookups missing the expert cache.", req - hit)
             yield g("fle:expert_cache_hit_rate", "Expert cache hit rate.", hit / req if req else 0.0)
             yield g("fle:expert_cache_misses_per_token", "Expert cache misses per decoded token.",
-                    (req - hit) / steps if steps else 0.0)
+                    (req - hit) / tokens if tokens else 0.0)
+        host = expert_cache_host_seconds(e.model)
+        if host is not None:
+            sec, tokens = host
+            yield g("fle:expert_cache_host_seconds_per_token", "Host time of the expert cache's policy and step "
+                    "boundaries per decoded token, in seconds.", sec / tokens if tokens else 0.0)
 
 
 def render(engine) -> bytes:

@@ -178,6 +178,7 @@ class _Task:
     t0: float = 0.0
     t_first: float | None = None
     done: bool = False
+    routed0: np.ndarray | None = None     # the engine's (lookups, hits) on the slot's lane when the task took it
 
 
 class Slot:
@@ -590,10 +591,17 @@ class Engine:
         slot.t_last = time.monotonic()
         slot.n_decoded = 0
         task.t0 = time.perf_counter()
+        task.routed0 = self._lane_routed(slot)
         task.sampler = Sampler(job.params)
         task.decoder = self.tok.stream()
         task.scan = StopScanner(job.stop)
         return job
+
+    def _lane_routed(self, slot: Slot) -> np.ndarray | None:
+        """The GPU engine's routed-expert (lookups, hits) on the slot's lane
+        (its only sequence without lanes), or None off the engine."""
+        routed = getattr(self.model, "lane_routed", None) if self.runtime else None
+        return None if routed is None else routed[slot.id if self.lanes else self.model.lane].copy()
 
     def _begin(self, slot: Slot, task: _Task) -> None:
         job = self._attach(slot, task)
@@ -972,9 +980,13 @@ class Engine:
             why = why or ("client gone" if cancelled else "stop string" if t.scan.stopped else
                           "end of generation" if reason == "stop" else "length")
             drafts = f", MTP drafts {res.accepted}/{res.drafted}" if res.drafted else ""
+            hits = ""
+            if t.routed0 is not None:
+                n, h = (self._lane_routed(s) - t.routed0).tolist()
+                hits = f", expert cache hit rate {100 * h / n:.1f} %" if n else ""
             print(f"fle-engine: slot {s.id}: prompt {res.n_prompt} tokens ({res.n_cached} cached, "
                   f"{tm['prompt_per_second']:.1f} t/s), generated {res.n_generated} tokens "
-                  f"({tm['predicted_per_second']:.1f} t/s), {why}, seed {t.sampler.seed}{drafts}",
+                  f"({tm['predicted_per_second']:.1f} t/s), {why}, seed {t.sampler.seed}{drafts}{hits}",
                   file=self.log, flush=True)
         t.future.set_result(res)
 
