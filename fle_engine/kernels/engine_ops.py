@@ -36,6 +36,9 @@ Signatures (both sides; outputs written in place):
   (:meth:`Q8Cache.lane` for q8_0); row t attends to positions
   0 .. pos[t] of its own lane
 - ``embed_row(table, qtype, tok, out)``
+- ``float_mv(x, w, out)``: ``out`` [T, n_out] = x [T, n_in] @ w.T in
+  float32, ``w`` a float32, float16 or bfloat16 matrix as it is stored
+  (the fast kernel widens 16-bit weights in registers: no float32 copy)
 - ``attention(..., keep, ratio)``: only the positions p whose block
   ``keep[p // ratio]`` is set count (sparse attention);
   ``attention_multi(..., keep, ratio)`` with ``keep`` [T, NB]: token t's
@@ -401,8 +404,10 @@ def stage_apply_ref(prev_map: "Tensor | None", prev_stage: "Tensor | None", slot
 
 
 def float_mv_ref(x: Tensor, w: Tensor, out: Tensor) -> Tensor:
-    """``out`` [T, n_out] = x [T, n_in] @ w.T (a float matrix: the router, the shared expert's gate)."""
-    torch.matmul(x, w.T.to(x.dtype) if w.dtype != x.dtype else w.T, out=out)
+    """``out`` [T, n_out] = x [T, n_in] @ w.T in float32 for a float matrix
+    of any float type (the router, the shared expert's gate, F32/F16/BF16
+    dense weights); a 16-bit matrix is widened for this product only."""
+    torch.matmul(x.float(), w.float().T, out=out)
     return out
 
 

@@ -840,52 +840,83 @@ def add_rmsnorm(x: Tensor, parts: "Tensor | None", weight: Tensor, eps: float, o
 
 
 # ---------------------------------------------------------------------------
-# float products of a few rows (the router, the shared expert's gate)
+# float products of a few rows (the router, the shared expert's gate, float dense matrices)
 
-FLOAT_MV_MAX_ROWS = 8       # more rows (prefill): torch's matmul
+FLOAT_MV_MAX_ROWS = 8       # more rows (prefill) of a float32 matrix: torch's matmul
+FLOAT_MV_GROUP = 4          # rows per program that read one weight tile, for 16-bit matrices
 
 
 @triton.jit
-def _float_mv_kernel(x_ptr, w_ptr, y_ptr, n_out, n_in, stride_x, stride_y, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    # program (pid_n, t): outputs [pid_n * BLOCK_N, +BLOCK_N) of row t, each a dot product over n_in
+def _float_mv_kernel(x_ptr, w_ptr, y_ptr, n_tok, n_out, n_in, stride_x, stride_y, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    # program (pid_n, pid_t): outputs [pid_n * BLOCK_N, +BLOCK_N) of rows [pid_t * ROWS, +ROWS), each a dot
+    # product over n_in; the weights (any float type) widened to float32 in registers, loaded once for the
+    # ROWS rows
     pid_n = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n_out
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, n_in, BLOCK_K):
-        k = k0 + offs_k
-        mask_k = k < n_in
-        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * n_in + k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        xv = tl.load(x_ptr + t * stride_x + k, mask=mask_k, other=0.0)
-        acc += w * xv[None, :]
-    tl.store(y_ptr + t * stride_y + offs_n, tl.sum(acc, axis=1), mask=mask_n)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * n_in
+    if ROWS == 1:
+        t = tl.program_id(1).to(tl.int64)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            k = k0 + offs_k
+            mask_k = k < n_in
+            w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + t * stride_x + k, mask=mask_k, other=0.0)
+            acc += w * xv[None, :]
+        tl.store(y_ptr + t * stride_y + offs_n, tl.sum(acc, axis=1), mask=mask_n)
+    else:
+        offs_t = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        mask_t = offs_t < n_tok
+        x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_x
+        acc3 = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            k = k0 + offs_k
+            mask_k = k < n_in
+            w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            xv = tl.load(x_rows + k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+            acc3 += w[None, :, :] * xv[:, None, :]
+        y_rows = y_ptr + offs_t.to(tl.int64)[:, None] * stride_y
+        tl.store(y_rows + offs_n[None, :], tl.sum(acc3, axis=2), mask=mask_t[:, None] & mask_n[None, :])
 
 
 def float_mv(x: Tensor, w: Tensor, out: Tensor) -> Tensor:
-    """``out`` [T, n_out] = x [T, n_in] @ w.T for a contiguous float matrix
-    ``w`` [n_out, n_in] (float32, float16 or bfloat16; the products in
-    float32): one launch of ~256 programs for up to FLOAT_MV_MAX_ROWS rows,
-    where cuBLAS picked a split-K product and a reduction kernel for the
-    router (~15-20 us per layer on the H100 for a 4 MiB matrix); torch's
-    matmul for more rows. On the H100 the 30B-A3B step's router takes
-    129 us in this launch against 212 us in cuBLAS's two kernels
-    (docs/benchmarks.md, 2026-12-06); FLE_FLOAT_MV=0 selects torch's
-    matmul."""
+    """``out`` [T, n_out] = x [T, n_in] @ w.T (float32) for a contiguous
+    float matrix ``w`` [n_out, n_in] (float32, float16 or bfloat16, read as
+    it is stored and widened to float32 in registers; the products and
+    sums in float32).
+
+    A float32 matrix (the router): one launch of ~256 programs, one row
+    each, for up to FLOAT_MV_MAX_ROWS rows, where cuBLAS picked a split-K
+    product and a reduction kernel for the router (~15-20 us per layer on
+    the H100 for a 4 MiB matrix); torch's matmul for more rows. On the
+    H100 the 30B-A3B step's router takes 129 us in this launch against
+    212 us in cuBLAS's two kernels (docs/benchmarks.md, 2026-12-06).
+
+    A 16-bit matrix (F16/BF16 dense weights, kept in their GGUF bytes):
+    this launch for any T, each program multiplying its weight tile with
+    up to FLOAT_MV_GROUP rows, so that T rows read the matrix ceil(T /
+    FLOAT_MV_GROUP) times rather than T times (torch would need a float32
+    copy of the matrix).
+
+    FLE_FLOAT_MV=0 selects the reference (torch's matmul, a 16-bit matrix
+    widened for each call)."""
     n_tok, n_in = x.shape
     n_out = w.shape[0]
-    if n_tok > FLOAT_MV_MAX_ROWS or os.environ.get("FLE_FLOAT_MV", "1") == "0" or not w.is_contiguous() or x.stride(1) != 1 or out.stride(1) != 1 \
-            or w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    wide = w.dtype == torch.float32
+    if (wide and n_tok > FLOAT_MV_MAX_ROWS) or os.environ.get("FLE_FLOAT_MV", "1") == "0" or not w.is_contiguous() \
+            or x.stride(1) != 1 or out.stride(1) != 1 or w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return float_mv_ref(x, w, out)
     block_n = 1
     while block_n < 8 and n_out // (2 * block_n) >= 256:
         block_n *= 2
-    block_k = min(512, triton.next_power_of_2(n_in))
-    _float_mv_kernel[(triton.cdiv(n_out, block_n), n_tok)](x, w, out, n_out, n_in, x.stride(0), out.stride(0),
-                                                          BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    rows = 1 if wide or n_tok == 1 else min(FLOAT_MV_GROUP, triton.next_power_of_2(n_tok))
+    block_k = min(1024 // rows, 512, triton.next_power_of_2(n_in))     # <= 64 float32 accumulators a thread
+    _float_mv_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(n_tok, rows))](
+        x, w, out, n_tok, n_out, n_in, x.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows,
+        num_warps=4)
     return out
 
 

@@ -100,10 +100,14 @@ def columns(qtype, n_in: int, device) -> "Tensor | None":
 
 def dense_rows(m, x: Tensor, out: Tensor, ops, dtype=torch.float32) -> Tensor:
     """``out`` [T, n_out] = x [T, n_in] @ W.T for a DenseMatrix ``m``: the
-    matrix decoded into ``dtype`` once, then one product (a float matrix
-    as it is)."""
+    matrix decoded into ``dtype`` once, then one product (a float32 matrix
+    as it is; a float16/bfloat16 one converted to ``dtype`` for this
+    product only, as a quantized one is decoded)."""
     if m.qtype in FLOAT_TYPES:
-        out.copy_(torch.matmul(x, m.data.T))
+        if m.data.dtype == torch.float32:
+            out.copy_(torch.matmul(x, m.data.T))
+        else:
+            out.copy_(torch.matmul(x.to(dtype), m.data.to(dtype).T))
         return out
     w = torch.empty(1, m.n_out, m.n_in, dtype=dtype, device=x.device)
     cols = columns(m.qtype, m.n_in, x.device)

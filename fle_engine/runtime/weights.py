@@ -1,5 +1,7 @@
 """Weights as the engine holds them: dense matrices in their GGUF bytes on
-the device (multiplied by the quantized kernels, never dequantized), small
+the device (multiplied by the quantized kernels, never dequantized; F16 and
+BF16 matrices as float16/bfloat16 tensors, widened in the float kernel's
+registers, never copied to float32), small
 vectors in float32, and the routed experts of every layer in one host
 buffer, read once from the file and page-locked so that the GPU reads
 missed experts from it directly (:class:`HostExperts`), or, when the
@@ -30,6 +32,7 @@ __all__ = ["DenseMatrix", "ExpertLayout", "HostExperts", "MappedExperts", "PackB
            "pack_experts", "available_memory", "HOST_MODES", "check_host_mode", "dense", "vector", "FAST_TYPES"]
 
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+_FLOAT_DTYPES = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 FAST_TYPES = tuple(engine_ops.WORDS)
 
 
@@ -40,7 +43,8 @@ def _align(n: int, a: int) -> int:
 @dataclass
 class DenseMatrix:
     """``[n_out, n_in]`` weights: raw GGUF rows (uint8 ``[n_out, row_bytes]``)
-    of ``qtype``, or a float tensor for float types."""
+    of ``qtype``, or for float types a tensor of the file's own float type
+    (float32, float16 or bfloat16: the file's bytes)."""
     name: str
     qtype: GGMLType
     data: Tensor
@@ -54,8 +58,13 @@ class DenseMatrix:
     def matvec(self, x: Tensor, out: Tensor, impl: str) -> Tensor:
         """``out`` [T, n_out] = x [T, n_in] @ W.T (float32)."""
         if self.qtype in FLOAT_TYPES:
-            torch.matmul(x, self.data.T, out=out)
-            return out
+            # 16-bit weights through the float kernel, which widens them as it reads them; a float32 matrix
+            # keeps torch's matmul (the reference's product), as before 16-bit matrices stayed 16-bit
+            if impl == "triton" and self.data.dtype != torch.float32:
+                from ..kernels.triton_engine import float_mv
+
+                return float_mv(x, self.data, out)
+            return engine_ops.float_mv_ref(x, self.data, out)
         if impl == "triton":
             from ..kernels import cuda_mv, triton_quant
 
@@ -99,12 +108,9 @@ def dense(gguf, name: str, device, n_out: int, n_in: int, *, fast_needed: bool, 
     if rows is not None:
         raw = raw[np.asarray(rows)]
     qt = GGMLType(info.qtype)
-    if qt == GGMLType.F32:
-        data = torch.from_numpy(np.array(raw).view(np.float32).reshape(n_out, n_in))
-    elif qt == GGMLType.F16:
-        data = torch.from_numpy(np.array(raw).view(np.float16).astype(np.float32).reshape(n_out, n_in))
-    elif qt == GGMLType.BF16:
-        data = torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16).float().reshape(n_out, n_in)
+    if qt in FLOAT_TYPES:
+        # the file's bytes as a tensor of its float type (the float kernel widens 16-bit values as it reads them)
+        data = torch.from_numpy(np.array(raw)).view(_FLOAT_DTYPES[qt]).reshape(n_out, n_in)
     else:
         if fast_needed and qt not in FAST_TYPES:
             raise FleError(f"{gguf.paths[0]}: tensor {name!r} is {qt.name}, which the engine has no fast GPU "
