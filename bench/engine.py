@@ -256,7 +256,7 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
     eng.generate([first], warmup, feed=rng.integers(n_vocab, size=warmup).tolist())    # warm-up (unmeasured)
     speeds = []
     st0 = eng.cache.stats
-    h0, r0, s0, a0, host0 = st0.hits, st0.requests, st0.steps, st0.admissions, st0.host_seconds
+    h0, r0, s0, a0, host0 = st0.hits, st0.requests, st0.tokens, st0.admissions, st0.host_seconds
     launch0, replay0, bnd0 = eng.stats.launch_seconds, eng.stats.replay_seconds, st0.boundary_seconds
     sp = eng.split
     cpu0, busy0 = (sp.cpu_experts, sp.busy_seconds) if sp is not None else (0, 0.0)
@@ -271,7 +271,7 @@ def fle_decode(model: Path, budget: "int | str", n_gen: int, reps: int, seed: in
         sync()
         speeds.append(n_gen / (time.perf_counter() - t0))
     st = eng.cache.stats
-    steps = st.steps - s0
+    steps = st.tokens - s0          # tokens decoded (one per step here)
     res = dict(tok_s=float(np.mean(speeds)), tok_s_runs=speeds, warmup_tokens=warmup,
                hit_rate=(st.hits - h0) / max(1, st.requests - r0),
                misses_per_token=(st.requests - r0 - (st.hits - h0)) / max(1, steps),
