@@ -18,6 +18,7 @@ from fle_quant.files import check_outputs
 from fle_quant.errors import FleError
 
 _DESCRIPTION = "Run a GGUF model with FLE's engine (torch)."
+UBATCH_MAX = 8192        # the largest micro-batch prefill is laid out and measured for (bench/engine.py --fle-ubatch)
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -26,8 +27,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="cuda runs the engine (GPU expert cache, CUDA-graph steps); cpu the reference forward "
                         "pass; auto (default): cuda when there is a CUDA device")
     p.add_argument("--cache-budget", default="auto", metavar="SIZE",
-                   help="engine: GPU bytes for routed experts, e.g. 17GiB; auto (default): free GPU memory after "
-                        "the weights, KV cache and buffers")
+                   help="engine: GPU bytes for routed experts, e.g. 17GiB, 16G or 5000000000; auto (default): free "
+                        "GPU memory after the weights, KV cache and buffers")
     p.add_argument("--cache-type-k", "-ctk", default="f16", choices=("f16", "bf16", "f32", "q8_0"),
                    help="engine: KV cache type of K (q8_0: ggml's 8-bit blocks, as llama.cpp's -ctk q8_0)")
     p.add_argument("--cache-type-v", "-ctv", default="f16", choices=("f16", "bf16", "f32", "q8_0"),
@@ -63,9 +64,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ubatch", "-ub", type=int, default=4096, metavar="N",
                    help="engine: prompts of at least --prefill-min tokens are processed N tokens at a time, each "
                         "layer's uncached experts streamed to the GPU once per micro-batch (default 4096; larger "
-                        "micro-batches stream less per token; 0: prompts run as decode steps)")
+                        f"micro-batches stream less per token; 1 to {UBATCH_MAX}; 0: prompts run as decode steps)")
     p.add_argument("--prefill-min", type=int, default=32, metavar="N",
-                   help="engine: shorter prompts run as decode steps (default 32)")
+                   help="engine: shorter prompts run as decode steps (at least 1; default 32)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--mtp", action="store_true",
                    help="speculative decoding with the model's MTP head (inside the model file, or --mtp-head): "
@@ -160,6 +161,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_run_options(args) -> None:
+    """The engine's sizes (--ubatch, --prefill-min, --cache-budget), checked
+    before any file is read, whether or not the engine runs: a bad value is
+    refused, never silently left unused. The budget is parsed by the
+    engine's own parser."""
+    from .runtime import parse_budget
+
+    if not 0 <= args.ubatch <= UBATCH_MAX:
+        raise FleError(f"--ubatch {args.ubatch}: give 1 to {UBATCH_MAX} tokens per micro-batch, or 0 to run prompts "
+                       f"as decode steps")
+    if args.prefill_min < 1:
+        raise FleError(f"--prefill-min {args.prefill_min}: give the shortest prompt to prefill, at least 1 token")
+    try:
+        parse_budget(args.cache_budget)
+    except (ValueError, OverflowError):         # nan, inf: numbers float() reads that are no size
+        raise FleError(f"--cache-budget {args.cache_budget!r}: expected 'auto' or a size such as 17GiB, 16G or "
+                       f"5000000000") from None
+
+
 def _prompt_tokens(tok, args) -> list[int]:
     text = args.prompt
     if args.chat:
@@ -183,6 +203,7 @@ def _generate(args) -> int:
 
     if args.n_predict < 1:
         raise FleError(f"-n must be at least 1, got {args.n_predict}")
+    check_run_options(args)
     if args.threads is not None:
         if args.threads < 1:
             raise FleError(f"--threads must be at least 1, got {args.threads}")
@@ -404,6 +425,7 @@ def _serve(args) -> int:
                         ("--draft-vocab-corpus", args.draft_vocab_corpus)):
         if given and not mtp:
             raise FleError(f"{flag} drafts with the MTP head: add --mtp (or --mtp-head FILE)")
+    check_run_options(args)
     declare_inputs(args.model, args.mtp_head, args.draft_vocab_corpus)
     device = resolve_device(args.device)
     runtime = None

@@ -8,6 +8,7 @@ same tokens.
 from __future__ import annotations
 
 import ctypes
+import re
 import subprocess
 import sys
 
@@ -217,6 +218,69 @@ def test_cli_errors(model_path, tmp_path, capsys):
     r = subprocess.run([sys.executable, "-m", "fle_engine.cli", "generate", str(tmp_path / "none.gguf"), "-p", "x"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "none.gguf" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_engine_sizes_refused(tmp_path, capsys):
+    """--ubatch, --prefill-min and --cache-budget out of range or unparsable:
+    one line naming the option, exit status 2, checked before the model is
+    read (the missing file is never reached), for generate and serve alike
+    and whether or not the engine would run. In-range values pass the
+    check (the missing file is then what is reported)."""
+    missing = str(tmp_path / "missing.gguf")
+    commands = (["generate", missing, "-p", "x"], ["serve", missing, "--port", "0"])
+    bad = [(["-ub", "-1"], "--ubatch -1: give 1 to 8192"), (["--ubatch", "8193"], "--ubatch 8193: give 1 to 8192"),
+           (["--prefill-min", "0"], "--prefill-min 0: "), (["--prefill-min", "-4"], "--prefill-min -4: "),
+           (["--cache-budget", "lots"], "--cache-budget 'lots': expected 'auto' or a size"),
+           (["--cache-budget=-3G"], "--cache-budget '-3G': expected"),
+           (["--cache-budget", "nan"], "--cache-budget 'nan': expected"),
+           (["--cache-budget", "inf"], "--cache-budget 'inf': expected")]
+    for extra, says in bad:
+        for cmd in commands:
+            assert engine_main(cmd + extra) == 2, extra
+            err = capsys.readouterr().err
+            assert err.startswith(f"fle-engine: error: {says}") and len(err.strip().splitlines()) == 1, err
+    for extra in (["-ub", "0"], ["-ub", "8192"], ["--prefill-min", "1"], ["--cache-budget", "17GiB"],
+                  ["--cache-budget", "0"], ["--cache-budget", "auto"]):
+        for cmd in commands:
+            assert engine_main(cmd + extra) == 2
+            assert "missing.gguf" in capsys.readouterr().err, extra
+    r = subprocess.run([sys.executable, "-m", "fle_engine.cli", "generate", missing, "-p", "x", "-ub", "-1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("fle-engine: error: --ubatch -1") and "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def quant_path(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("gen_q") / "q.gguf", "qwen3moe", seed=3, mix="release",
+                      routing_skew=1.0)
+
+
+def test_cli_prints_the_prefill_line(quant_path, monkeypatch, capsys):
+    """``generate`` on the engine prints the prefill's line
+    (``PrefillStats.line``) after a prompt that was prefilled, and none when
+    prompts run as decode steps (-ub 0, or shorter than --prefill-min). The
+    CLI runs the engine only on CUDA; here its engine path gets an engine
+    on the CPU (the reference operations), which prefills the same way."""
+    import fle_engine.cli as cli
+    import fle_engine.runtime as rt
+
+    real = rt.Engine
+    monkeypatch.setattr(rt, "Engine", lambda *a, **k: real(*a, **{**k, "device": "cpu", "progress": False}))
+    monkeypatch.setattr(cli, "resolve_device", lambda device: "cuda")
+    text = "the river runs to the sea and the sea runs to the river"
+    n = len(Tokenizer.from_gguf(quant_path).encode(text, add_special=True, parse_special=True))
+    argv = ["generate", str(quant_path), "-p", text, "-n", "3", "--temp", "0", "--cache-profile", "none",
+            "--cache-budget", "1MiB", "--prefill-min", "4"]
+    assert engine_main(argv + ["-ub", "4"]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("prefill:")]
+    assert len(lines) == 1, lines
+    m = re.fullmatch(r"prefill: (\d+) tokens in (\d+) micro-batches, [\d.]+ ms \([\d.]+ tok/s\); "
+                     r"experts streamed [\d.]+ GB, compute waiting for copies 0\.0 ms", lines[0])
+    assert m and int(m[1]) == n and int(m[2]) == -(-n // 4), lines[0]
+    for off in (["-ub", "0"], ["-ub", "4", "--prefill-min", str(n + 1)]):
+        assert engine_main(argv + off) == 0
+        err = capsys.readouterr().err
+        assert "[prompt" in err and not any(x.startswith("prefill:") for x in err.splitlines()), off
 
 
 # ---------------------------------------------------------------- llama.cpp's own samplers
