@@ -21,7 +21,7 @@ if not CUDA:
 from fle_engine import load  # noqa: E402
 from fle_engine.kernels import engine_ops  # noqa: E402
 from fle_engine.runtime import Engine  # noqa: E402
-from fle_engine.runtime.prefill import grouped_mm, sort_by_expert  # noqa: E402
+from fle_engine.runtime.prefill import PrefillStats, grouped_mm, sort_by_expert  # noqa: E402
 from fle_quant.ggml_types import GGMLType  # noqa: E402
 from fle_quant.quants import quantize  # noqa: E402
 from fle_quant.synth import make_model  # noqa: E402
@@ -118,6 +118,18 @@ def test_dequant_kernel(fast, qtype):
     ref_t = torch.zeros(3, n_rows, n_in)
     engine_ops.REFERENCE.dequant(space, qtype, base.cpu(), n_rows, rb, ref_t, tile_order=True)
     assert torch.equal(ref_t, tiled.cpu())
+
+
+def test_prefill_stats_line():
+    """The one line the CLI prints after a prefill: tokens, micro-batches,
+    time, speed, bytes streamed (decimal GB) and the compute stream's wait
+    for copies; no division by zero before a run."""
+    st = PrefillStats(tokens=8192, seconds=4.0, ubatches=2, bytes_copied=11_020_000_000, copy_wait_seconds=0.125,
+                      lent_layers=[46, 47])
+    assert st.line() == ("prefill: 8192 tokens in 2 micro-batches, 4000.0 ms (2048.0 tok/s); experts streamed "
+                         "11.02 GB, compute waiting for copies 125.0 ms")
+    assert PrefillStats().line() == ("prefill: 0 tokens in 0 micro-batches, 0.0 ms (0.0 tok/s); experts streamed "
+                                     "0.00 GB, compute waiting for copies 0.0 ms")
 
 
 # ---------------------------------------------------------------------------
