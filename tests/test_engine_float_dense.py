@@ -82,12 +82,12 @@ def test_float_mv_kernel_many_rows_of_16_bit_weights(fast, monkeypatch):
 
 @pytest.fixture(scope="module", params=[GGMLType.F16, GGMLType.BF16], ids=["f16", "bf16"])
 def half_file(request, tmp_path_factory):
-    """A qwen3moe model whose attention and output matrices are F16 or BF16
-    (experts Q8_0, routers F32)."""
+    """A qwen3moe model whose embedding table, attention and output matrices
+    are F16 or BF16 (experts Q8_0, routers F32)."""
     qt = request.param
     path = make_model(tmp_path_factory.mktemp(f"dense_{qt.name}") / "m.gguf", "qwen3moe", seed=3,
                       mix=[(r"\.ffn_gate_inp\.weight$", "F32"), (r"_exps\.weight$", "Q8_0"),
-                           (r"attn_(q|k|v|output)\.weight$|^output\.weight$", qt.name)])
+                           (r"attn_(q|k|v|output)\.weight$|^(output|token_embd)\.weight$", qt.name)])
     return path, qt
 
 
@@ -109,7 +109,7 @@ def test_dense_matrices_keep_their_16_bit_bytes(half_file):
     file's size (no float32 copy) holding the file's bytes."""
     path, qt = half_file
     g = open_model(path)
-    names = [n for n, t in g.tensors.items() if t.qtype == qt]
+    names = [n for n, t in g.tensors.items() if t.qtype == qt and n != "token_embd.weight"]
     assert any(n.endswith("attn_q.weight") for n in names) and "output.weight" in names
     eng = _engine(path)
     mats = _dense_matrices(eng.net)
@@ -153,3 +153,20 @@ def test_prefill_with_16_bit_dense_equals_decode_steps(half_file):
     assert eng.generate(prompt, 6) == want
     assert eng.prefill.stats.tokens == 20
     eng.close()
+
+
+def test_verify_step_with_a_16_bit_embedding_table(half_file):
+    """A step of several rows takes its embedding rows from the 16-bit
+    table (widened to float32) and gives the tokens of one-token steps."""
+    path, qt = half_file
+    eng = _engine(path)
+    assert eng.net.tok_embd.data.dtype == DTYPES[qt]
+    g = eng.generate(PROMPT, 1)
+    feed = g + [5, 6]
+    got = eng.verify_step(feed)
+    eng.close()
+    ref = _engine(path)
+    assert ref.generate(PROMPT, 1) == g
+    want = [ref.verify_step([t])[0] for t in feed]
+    ref.close()
+    assert got == want

@@ -658,8 +658,10 @@ class Net:
         by default the model's ``token_embd``)."""
         x = state.multi.x[:n]
         e = table or self.tok_embd
-        if e.qtype in W.FLOAT_TYPES:
+        if e.qtype in W.FLOAT_TYPES and e.data.dtype == x.dtype:
             torch.index_select(e.data, 0, state.toks[:n], out=x)
+        elif e.qtype in W.FLOAT_TYPES:               # a 16-bit table: its rows, widened
+            x.copy_(e.data.index_select(0, state.toks[:n]))
         else:
             for t in range(n):
                 ops.embed_row(e.data, e.qtype, state.toks[t:t + 1], x[t])
