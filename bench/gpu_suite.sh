@@ -8,8 +8,9 @@
 #            the kernels, the lanes), pytest -n 4
 #   slots    fle-engine serve with 2 slots against 1 on the GPU engine, factory models of qwen3moe, qwen3next,
 #            and qwen4exp (bench/serve_slots.py --engine)
-#   prefill  FLE prefill against upstream's best micro-batch at 4k and 8k tokens, 30B-A3B shape, 1/3 of the
-#            expert bytes on the GPU, calibrated routing (bench/engine.py --prefill); waits for the build
+#   prefill  FLE prefill (-ub 4096 and 8192) against upstream's best micro-batch at 1k, 4k and 8k tokens,
+#            30B-A3B shape, 1/3 of the expert bytes on the GPU, calibrated routing (bench/engine.py --prefill);
+#            waits for the build
 #   decode   FLE decode against upstream at the same GPU bytes, near-uniform and calibrated routing, misses
 #            on the GPU, split with the CPU, and with the experts memory-mapped (all on the CPU); everything on
 #            the GPU for both (the first routing's file); FLE with two expert launches per layer and with
@@ -64,7 +65,7 @@ for s in $STAGES; do
                        --clients 8 --tokens 256 --repeat 3
                done ;;
         prefill) wait_build && stage prefill python3 bench/engine.py --llama-bench "$LLAMA_BENCH" \
-                     --prefill 4096,8192 --no-decode --routing calibrated -r 2 --fle-ubatch 8192 \
+                     --prefill 1024,4096,8192 --no-decode --routing calibrated -r 2 --fle-ubatch 4096,8192 \
                      --json "$OUT/prefill.json" ;;
         decode) wait_build && stage decode python3 bench/engine.py --llama-bench "$LLAMA_BENCH" -n 64 -r 2 \
                     --routing uniform,calibrated --miss-split gpu,auto --mapped --kernels cuda,cuda-ffn \
