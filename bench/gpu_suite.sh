@@ -3,7 +3,9 @@
 #   bench/gpu_suite.sh OUT LLAMA_SRC [STAGE ...]
 # LLAMA_SRC: llama.cpp source for upstream's llama-bench (a directory, the llama-cpp-python sdist or a
 # tarball; built once into /tmp/fle-bench, about 6 minutes on 16 cores, started in the background first).
-# Stages (default: tests slots prefill), run in this order:
+# Stages (default: tests slots prefill), run in the order given:
+#   build    only start upstream's build (in the background, its own process session: it outlives this
+#            call, and a later call on the same machine waits for it); prefill and decode start it too
 #   tests    the GPU tests of the engine (greedy tokens and KLD against the reference, the captured step,
 #            the kernels, the lanes), pytest -n 4
 #   slots    fle-engine serve with 2 slots against 1 on the GPU engine, factory models of qwen3moe, qwen3next,
@@ -12,9 +14,10 @@
 #            30B-A3B shape, 1/3 of the expert bytes on the GPU, calibrated routing (bench/engine.py --prefill);
 #            waits for the build
 #   decode   FLE decode against upstream at the same GPU bytes, near-uniform and calibrated routing, misses
-#            on the GPU, split with the CPU, and with the experts memory-mapped (all on the CPU); everything on
-#            the GPU for both (the first routing's file); FLE with two expert launches per layer and with
-#            the one launch (kernel sets cuda, cuda-ffn); the verify step T(n), n = 0..3, at the calibrated skew
+#            on the GPU and split with the CPU; everything on the GPU for both (the first routing's file); FLE
+#            with two expert launches per layer and with the one launch (kernel sets cuda, cuda-ffn); the
+#            verify step T(n), n = 0..3, at the calibrated skew. With a build in flight, under 10 minutes:
+#            start the build in the call before (stage build)
 #   kernels  the CUDA C kernels against their references (tests/test_cuda_mv.py), the engine's greedy tokens
 #            and KLD with the one-launch gate+up+down (FLE_CUDA_MV_FFN), then the kernel timings of one
 #            layer, Triton's against CUDA C's, two launches against one (bench/engine_kernels.py --cuda)
@@ -33,14 +36,23 @@ LLAMA_BENCH=/tmp/fle-bench/llama-build/bin/llama-bench
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/machine.txt" 2>&1
 { date -u; git rev-parse HEAD 2>/dev/null || true; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } >> "$OUT/machine.txt" 2>&1
 
-build_pid=
-if [ ! -x "$LLAMA_BENCH" ] && [[ " $STAGES " =~ " prefill " || " $STAGES " =~ " decode " ]]; then
-    python3 -c "
-import sys; sys.path.insert(0, 'bench')
+# the build runs in a process session of its own (setsid) and says where it stands in files beside the binary,
+# so that a call that only starts it (stage "build") can return and the next call on the same machine waits for it
+BUILD_PID=/tmp/fle-bench/build.pid BUILD_RC=/tmp/fle-bench/build.rc BUILD_LOG=/tmp/fle-bench/build.log
+start_build() {
+    [ -x "$LLAMA_BENCH" ] && return 0
+    if [ -f "$BUILD_PID" ] && kill -0 "$(cat "$BUILD_PID")" 2>/dev/null; then return 0; fi
+    rm -f "$BUILD_RC"
+    setsid bash -c 'python3 -c "
+import sys; sys.path.insert(0, \"bench\")
 from pathlib import Path
 from engine import build_llama_bench
-build_llama_bench(Path(sys.argv[1]), Path('/tmp/fle-bench'))" "$SRC" > "$OUT/build.log" 2>&1 &
-    build_pid=$!
+build_llama_bench(Path(sys.argv[1]), Path(\"/tmp/fle-bench\"))" "$1" > "$2" 2>&1; echo $? > "$3"' _ \
+        "$SRC" "$BUILD_LOG" "$BUILD_RC" < /dev/null &
+    echo $! > "$BUILD_PID"
+}
+if [[ " $STAGES " =~ " build " || " $STAGES " =~ " prefill " || " $STAGES " =~ " decode " ]]; then
+    start_build
 fi
 
 failed=0
@@ -53,11 +65,16 @@ stage() {   # stage NAME COMMAND...
     [ "$rc" = 0 ] || failed=$((failed + 1))
 }
 wait_build() {
-    if [ -n "$build_pid" ]; then wait "$build_pid" || { echo "llama-bench build failed: $OUT/build.log"; return 1; }; fi
+    [ -x "$LLAMA_BENCH" ] && return 0
+    while [ -f "$BUILD_PID" ] && kill -0 "$(cat "$BUILD_PID")" 2>/dev/null; do sleep 5; done
+    cp -f "$BUILD_LOG" "$OUT/build.log" 2>/dev/null
+    [ -x "$LLAMA_BENCH" ] || { echo "llama-bench build failed (exit $(cat "$BUILD_RC" 2>/dev/null)): $OUT/build.log"
+                               failed=$((failed + 1)); return 1; }
 }
 
 for s in $STAGES; do
     case $s in
+        build) ;;              # started above; the stages that need it wait for it
         tests) stage tests python3 -m pytest -q -n 4 tests/test_engine.py tests/test_engine_slots.py \
                    -k "greedy or kld or captured or experts_kernel or lanes or slots" ;;
         slots) for arch in qwen3moe qwen3next qwen4exp; do
@@ -68,14 +85,14 @@ for s in $STAGES; do
                      --prefill 1024,4096,8192 --no-decode --routing calibrated -r 2 --fle-ubatch 4096,8192 \
                      --json "$OUT/prefill.json" ;;
         decode) wait_build && stage decode python3 bench/engine.py --llama-bench "$LLAMA_BENCH" -n 64 -r 2 \
-                    --routing uniform,calibrated --miss-split gpu,auto --mapped --kernels cuda,cuda-ffn \
+                    --routing uniform,calibrated --miss-split gpu,auto --kernels cuda,cuda-ffn \
                     --verify calibrated --json "$OUT/decode.json" ;;
         kernels) stage kernels-tests python3 -m pytest -q -n 6 tests/test_cuda_mv.py
                  FLE_CUDA_MV_FFN=2,4,4,1 stage kernels-engine python3 -m pytest -q -n 8 tests/test_engine.py \
                      -k "experts_kernel or greedy or kld or captured or split"
                  stage kernels-bench python3 bench/engine_kernels.py --cuda --json "$OUT/kernels.json" ;;
         misses) stage misses python3 bench/engine_kernels.py --misses --json "$OUT/misses.json" ;;
-        *) echo "unknown stage $s (tests, slots, prefill, decode, kernels, misses)"; failed=$((failed + 1)) ;;
+        *) echo "unknown stage $s (build, tests, slots, prefill, decode, kernels, misses)"; failed=$((failed + 1)) ;;
     esac
 done
 exit $failed
