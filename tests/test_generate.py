@@ -344,3 +344,14 @@ def test_top_k_by_partition_equals_the_full_stable_sort(kind):
         else:
             x = np.zeros(n, np.float32)
         assert np.array_equal(_top_desc(x, k), _desc(x)[:k]), (n, k)
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e400", "1e30GiB", "-1", "lots", "5XB"])
+def test_budget_parser_refuses_what_is_no_size(text):
+    """The engine's own budget parser: one FleError naming the option, never a
+    ValueError or OverflowError from the arithmetic."""
+    from fle_engine.runtime import parse_budget
+
+    with pytest.raises(FleError, match="--cache-budget"):
+        parse_budget(text)
+    assert parse_budget("0") == 0 and parse_budget("1.5GiB") == 3 * 2 ** 29

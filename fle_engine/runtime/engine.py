@@ -88,7 +88,7 @@ def parse_budget(text: "str | int | None") -> "int | None":
         value = float(num)
     except ValueError:
         value = -1.0
-    if unit not in _UNITS or value < 0:
+    if unit not in _UNITS or not 0 <= value < 2 ** 64 / _UNITS[unit]:      # nan, inf and 1e400 too
         raise FleError(f"--cache-budget {text!r}: expected 'auto' or a size such as 17GiB, 16G or 5000000000")
     return int(value * _UNITS[unit])
 
