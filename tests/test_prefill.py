@@ -604,3 +604,29 @@ def test_gdn_tokens_kernel(fast, tiled, sigmoid, T):
         res.append([out.cpu(), t["ssm"].cpu(), t["conv_state"].cpu(), conv_out.cpu()])
     for got, ref in zip(res[1], res[0]):
         _close(got, ref, 1e-5)
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU engine refuses experts without fast kernels at start")
+def test_prefill_off_for_experts_without_prefill_kernels(tmp_path):
+    """Experts of a type with no prefill kernels (F32 here; the GPU engine
+    refuses them at start) turn prefill off with one line, and prompts run
+    as decode steps with the reference's tokens."""
+    path = make_model(tmp_path / "f.gguf", "qwen3moe", seed=3,
+                      mix=[(r"\.ffn_gate_inp\.weight$", "F32"), (r"_exps\.weight$", "F32")])
+    said = []
+    eng = Engine(path, device=DEVICE, cache_budget="auto", ctx_size=64, profile_path="none", progress=False,
+                 log=said.append, ubatch=16, prefill_min=1, cache_type_k="f32", cache_type_v="f32")
+    assert eng.prefill is None
+    assert [m for m in said if "prefill off" in m] == [
+        "fle-engine: prefill off: experts of type F32 have no prefill kernels; prompts run as decode steps"]
+    prompt = [int(t) for t in np.random.default_rng(2).integers(1, 200, 12)]
+    got = eng.generate(prompt, 4)
+    eng.close()
+    model = load(path, device=DEVICE, experts="resident")
+    state = model.new_state(len(prompt) + 8)
+    out = model.forward(prompt, state)
+    want = []
+    while len(want) < 4:
+        want.append(int(torch.argmax(out[-1])))
+        out = model.forward([want[-1]], state)
+    assert got == want

@@ -311,6 +311,12 @@ class Engine:
         budget = parse_budget(cache_budget)
         total_experts = sum(lay.expert_bytes for lay in self.net.layouts.values()) * a.n_expert
         prefill_on = bool(getattr(self.net, "supports_prefill", False) and ubatch > 0)
+        no_kernel = sorted({qt.name for lay in self.net.layouts.values() for qt in (lay.gu_type, lay.down_type)
+                            if qt not in engine_ops.WORDS})
+        if prefill_on and no_kernel:            # (the GPU engine refuses such experts at start anyway)
+            self.log(f"fle-engine: prefill off: experts of type {', '.join(no_kernel)} have no prefill kernels; "
+                     f"prompts run as decode steps")
+            prefill_on = False
         self.prefill_bytes = prefill_bytes(self.net, ubatch) if prefill_on else 0
         if budget is None:
             if self.cuda:
