@@ -26,6 +26,7 @@ from fle_quant.errors import FleError  # noqa: E402
 from fle_quant.ggml_types import GGMLType  # noqa: E402
 from fle_quant.quants import quantize  # noqa: E402
 from fle_quant.synth import make_model  # noqa: E402
+from engine_launches import count_launches  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("exact_float32")
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -284,6 +285,27 @@ def test_budget_and_options(model_file, tmp_path):
     if not CUDA:
         with pytest.raises(FleError, match="no CUDA device"):
             Engine(model_file, device="cuda", progress=False, log=lambda m: None)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_launch_count(model_file, next_file, tmp_path, arch, capsys):
+    """Launches of one decode step, the numbers docs/engine.md states:
+    qwen3moe 11 per layer, plus 5 (embedding, first norm, head, argmax,
+    position), so 533 for 48 layers; qwen3next 19 per GDN layer and 22 per
+    gated attention layer (the gated shared expert's 3 products and 6 torch
+    operations in each)."""
+    path = model_file if arch == "qwen3moe" else next_file
+    # counted on the reference side's structure (eager, reference ops) on any device
+    eng = _engine(path, 0, tmp_path, impl="reference", graphs=False)
+    eng.reset()
+    c = count_launches(eng)
+    eng.close()
+    with capsys.disabled():
+        print(f"\n{arch} launches per step: {c}")
+    want = {"qwen3moe": {"Attn": 11}, "qwen3next": {"GDN": 19, "Attn": 22}}[arch]
+    assert {kind for kind, _ in c["per_layer"]} == set(want)
+    assert all(n == want[kind] for kind, n in c["per_layer"]), c
+    assert c["total"] - c["layers"] == 5
 
 
 def test_other_profile_refused(model_file, tmp_path):
