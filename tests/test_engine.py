@@ -26,7 +26,7 @@ from fle_quant.errors import FleError  # noqa: E402
 from fle_quant.ggml_types import GGMLType  # noqa: E402
 from fle_quant.quants import quantize  # noqa: E402
 from fle_quant.synth import make_model  # noqa: E402
-from engine_launches import count_launches  # noqa: E402
+from engine_helpers import count_launches, hits_per_step  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("exact_float32")
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -64,6 +64,17 @@ def next_file(tmp_path_factory):
                       routing_skew=1.0)
 
 
+@pytest.fixture(scope="module")
+def next_reference(next_file):
+    """qwen3next: greedy tokens and logits of the reference pass."""
+    return _reference_greedy(next_file, [1, 17, 42, 99], N_TOKENS)
+
+
+def _kv_dtypes(eng) -> set:
+    """The dtypes of the attention layers' K and V caches."""
+    return {t.dtype for L, c in zip(eng.net.layers, eng.state.kv) if type(L.mixer).__name__ != "GDN" for t in c[:2]}
+
+
 def _reference_greedy(path, prompt, n):
     model = load(path, device=DEVICE, experts="resident")
     state = model.new_state(len(prompt) + n + 8)
@@ -78,9 +89,11 @@ def _reference_greedy(path, prompt, n):
         logits.append(out[-1].float().cpu())
 
 
-def _engine(path, budget, tmp_path, profile="none", **kw):
-    return Engine(path, device=DEVICE, cache_budget=budget, ctx_size=N_TOKENS + 16, cache_type_k="f32",
-                  cache_type_v="f32", profile_path=profile, progress=False, log=lambda m: None, **kw)
+def _engine(path, budget, tmp_path, profile="none", kv="f32", **kw):
+    kw.setdefault("ctx_size", N_TOKENS + 16)
+    kw.setdefault("log", lambda m: None)
+    return Engine(path, device=DEVICE, cache_budget=budget, cache_type_k=kv, cache_type_v=kv, profile_path=profile,
+                  progress=False, **kw)
 
 
 def _expert_bytes(eng) -> int:
@@ -105,9 +118,13 @@ def test_greedy_tokens_equal_reference(model_file, reference, tmp_path, cache):
         assert prof.exists()
     budget = {"small": 2 * per_layer * probe.args.n_layer, "all": n_exp * per_layer * probe.args.n_layer,
               "warm": 2 * per_layer * probe.args.n_layer}[cache]
-    eng = _engine(model_file, budget, tmp_path, profile=str(prof) if cache == "warm" else "none")
+    logs = []
+    eng = _engine(model_file, budget, tmp_path, profile=str(prof) if cache == "warm" else "none", log=logs.append)
     slots = sum(eng.cache.slots_per_layer.values())
     assert slots == (n_exp if cache == "all" else 2) * eng.args.n_layer
+    # before any step: a warm start (or a budget for every expert) fills every slot, a cold one none
+    assert int((eng.cache.map >= 0).sum()) == (0 if cache == "small" else slots)
+    hits = hits_per_step(eng.cache)
     toks = eng.generate(prompt, N_TOKENS)
     assert toks == ref_toks
     st = eng.cache.stats
@@ -116,17 +133,20 @@ def test_greedy_tokens_equal_reference(model_file, reference, tmp_path, cache):
     else:
         assert 0 < st.hit_rate < 1
     if cache == "warm":
-        assert st.steps and eng.cache.stats.requests
+        assert any("warm start from" in m for m in logs)
+        assert hits[0] > 0                                  # the profile's experts serve the first step
+    if cache == "small":
+        assert hits[:3] == [0, 0, 0]                        # cold: decisions serve from step t + 3
     eng.close()
 
 
 @pytest.mark.parametrize("cache", ["small", "all"])
-def test_qwen3next_greedy_tokens_equal_reference(next_file, tmp_path, cache):
+def test_qwen3next_greedy_tokens_equal_reference(next_file, next_reference, tmp_path, cache):
     """GDN layers (recurrent state), gated attention with partial rotary,
     routed experts plus the gated shared expert; the engine restarts the
     recurrent state for a new sequence."""
     prompt = [1, 17, 42, 99]
-    ref, ref_logits = _reference_greedy(next_file, prompt, N_TOKENS)
+    ref, ref_logits = next_reference
     probe = _engine(next_file, 0, tmp_path)
     n_exp = probe.args.n_expert
     eb = _expert_bytes(probe)
@@ -140,6 +160,62 @@ def test_qwen3next_greedy_tokens_equal_reference(next_file, tmp_path, cache):
         got.append(eng.state.bufs.logits[0].float().cpu().clone())
     lp, lq = torch.log_softmax(ref_logits[:16].double(), -1), torch.log_softmax(torch.stack(got).double(), -1)
     assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 1e-4
+    eng.close()
+
+
+def test_qwen3next_warm_start_greedy_tokens_equal_reference(next_file, next_reference, tmp_path):
+    """A profile from a first run, then a warm start from it: every slot
+    filled before the first step, hits from the first step on (a cold start
+    has none in its first three), the reference's greedy tokens."""
+    prompt = [1, 17, 42, 99]
+    prof = tmp_path / "p.json"
+    eb = _expert_bytes(_engine(next_file, 0, tmp_path))
+    first = _engine(next_file, 2 * eb, tmp_path, profile=str(prof))
+    cold_hits = hits_per_step(first.cache)
+    first.generate(prompt, 16)
+    first.close()
+    assert prof.exists() and cold_hits[:3] == [0, 0, 0]
+    logs = []
+    eng = _engine(next_file, 2 * eb, tmp_path, profile=str(prof), log=logs.append)
+    assert any("warm start from" in m for m in logs)
+    slots = sum(eng.cache.slots_per_layer.values())
+    assert slots == 2 * eng.args.n_layer and int((eng.cache.map >= 0).sum()) == slots
+    hits = hits_per_step(eng.cache)
+    assert eng.generate(prompt, N_TOKENS) == next_reference[0]
+    assert hits[0] > 0 and 0 < eng.cache.stats.hit_rate < 1
+    eng.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+@pytest.mark.parametrize("kv", ["f16", "bf16"])
+def test_half_kv_cache_greedy_tokens_equal_reference(model_file, next_file, tmp_path, request, arch, kv):
+    """-ctk/-ctv f16 (the default) and bf16: the attention layers' K and V
+    caches hold that type, and the greedy tokens equal the reference's
+    (float32 throughout)."""
+    path, ref = ((model_file, request.getfixturevalue("reference")[1]) if arch == "qwen3moe" else
+                 (next_file, request.getfixturevalue("next_reference")[0]))
+    eng = _engine(path, 2 * _expert_bytes(_engine(path, 0, tmp_path)), tmp_path, kv=kv)
+    assert _kv_dtypes(eng) == {{"f16": torch.float16, "bf16": torch.bfloat16}[kv]}
+    assert eng.generate([1, 17, 42, 99], N_TOKENS) == ref
+    eng.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_262144_positions(model_file, next_file, tmp_path, request, arch):
+    """An engine allocated for 262,144 positions (f16 cache, the default)
+    decodes the reference's greedy tokens. K and V on these factory models
+    (2 KV heads of 64): qwen3moe 4 attention layers, 512 MiB; qwen3next 1
+    attention layer (3 GDN), 128 MiB."""
+    ctx = 262_144
+    path, ref = ((model_file, request.getfixturevalue("reference")[1]) if arch == "qwen3moe" else
+                 (next_file, request.getfixturevalue("next_reference")[0]))
+    eng = _engine(path, 2 * _expert_bytes(_engine(path, 0, tmp_path)), tmp_path, kv="f16", ctx_size=ctx)
+    a = eng.args
+    attn = [c for L, c in zip(eng.net.layers, eng.state.kv) if type(L.mixer).__name__ != "GDN"]
+    assert len(attn) == {"qwen3moe": 4, "qwen3next": 1}[arch]
+    kv_bytes = sum(t.nbytes for c in attn for t in c[:2])
+    assert kv_bytes == len(attn) * 2 * a.n_head_kv * ctx * a.head_dim * 2 == len(attn) * 128 * 2 ** 20
+    assert eng.generate([1, 17, 42, 99], 8) == ref[:8]
     eng.close()
 
 
@@ -233,12 +309,14 @@ def test_logits_within_kld_of_reference(model_file, reference, tmp_path):
     eng.close()
 
 
-def test_policy_lag_one_step(model_file, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_policy_lag_one_step(model_file, next_file, tmp_path, arch):
     """A decision taken from step t's routing (on the host, while step t + 1
     runs) is copied while step t + 2 runs and reaches the device map at the
     boundary before step t + 3, never before."""
-    budget = 2 * _expert_bytes(_engine(model_file, 0, tmp_path))
-    eng = _engine(model_file, budget, tmp_path)
+    path = model_file if arch == "qwen3moe" else next_file
+    budget = 2 * _expert_bytes(_engine(path, 0, tmp_path))
+    eng = _engine(path, budget, tmp_path)
     cache = eng.cache
     events = []
     obs, bnd = cache.observe, cache.boundary
@@ -272,6 +350,7 @@ def test_policy_lag_one_step(model_file, tmp_path):
                 assert maps[step + 3][li, e] == s            # visible from t + 3 on
                 checked += 1
     assert checked > 0
+    eng.close()
 
 
 def test_budget_and_options(model_file, tmp_path):

@@ -1,13 +1,17 @@
-"""Kernel launches of one engine decode step, counted on the CPU.
+"""Helpers shared by the engine tests (tests/test_engine*.py).
 
-The step runs eagerly with the reference operations while every launch the
-fast side would issue is counted: each ops-table call as its Triton
-launches, each quantized product as one launch, each torch operation that
-computes (not views). Shared by the launch-count tests of every
-architecture (tests/test_engine.py, tests/test_engine_qwen4exp.py).
+``count_launches``: the kernel launches of one decode step, counted on the
+CPU. The step runs eagerly with the reference operations while every
+launch the fast side would issue is counted: each ops-table call as its
+Triton launches, each quantized product as one launch, each torch
+operation that computes (not views).
+
+``hits_per_step``: the expert cache's hits of every step, as the cache
+observes them (a warm start hits from the first step, a cold one cannot).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -81,3 +85,17 @@ def count_launches(eng) -> dict:
     kinds = ["ple" if getattr(L, "ple", None) is not None else type(L.mixer).__name__ for L in net.layers]
     per_layer = [(k, b - a) for k, a, b in zip(kinds, marks, marks[1:])]
     return {"per_layer": per_layer, "layers": marks[-1] - marks[0], "total": counter["n"]}
+
+
+def hits_per_step(cache) -> list:
+    """A list that fills with the hits of each step ``cache`` observes
+    (from now on, for as long as the cache lives)."""
+    seen = []
+    observe = cache.observe
+
+    def recording(ids, hits, *a, **k):
+        seen.append(int(np.count_nonzero(hits)))
+        observe(ids, hits, *a, **k)
+
+    cache.observe = recording
+    return seen
