@@ -30,7 +30,7 @@ from fle_quant.errors import FleError  # noqa: E402
 from fle_quant.ggml_types import GGMLType  # noqa: E402
 from fle_quant.quants import quantize  # noqa: E402
 from fle_quant.synth import make_model  # noqa: E402
-from engine_helpers import count_launches  # noqa: E402
+from engine_helpers import count_launches, hits_per_step  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("exact_float32")
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -60,9 +60,11 @@ def reference(model_file):
         logits.append(out[-1].float().cpu())
 
 
-def _engine(path, budget, profile="none", **kw):
-    return Engine(path, device=DEVICE, cache_budget=budget, ctx_size=len(PROMPT) + N_TOKENS + 8, cache_type_k="f32",
-                  cache_type_v="f32", profile_path=profile, progress=False, log=lambda m: None, **kw)
+def _engine(path, budget, profile="none", kv="f32", **kw):
+    kw.setdefault("ctx_size", len(PROMPT) + N_TOKENS + 8)
+    kw.setdefault("log", lambda m: None)
+    return Engine(path, device=DEVICE, cache_budget=budget, cache_type_k=kv, cache_type_v=kv, profile_path=profile,
+                  progress=False, **kw)
 
 
 def _expert_bytes(path) -> tuple[int, int]:
@@ -118,9 +120,14 @@ def test_greedy_tokens_equal_reference(model_file, reference, tmp_path, cache):
         first.generate(PROMPT, 16)
         first.close()
         assert prof.exists()
-    eng = _engine(model_file, (n_exp if cache == "all" else 2) * per, profile=str(prof) if cache == "warm" else "none")
+    logs = []
+    eng = _engine(model_file, (n_exp if cache == "all" else 2) * per, profile=str(prof) if cache == "warm" else "none",
+                  log=logs.append)
     slots = sum(eng.cache.slots_per_layer.values())
     assert slots == (n_exp if cache == "all" else 2) * eng.args.n_layer
+    # before any step: a warm start (or a budget for every expert) fills every slot, a cold one none
+    assert int((eng.cache.map >= 0).sum()) == (0 if cache == "small" else slots)
+    hits = hits_per_step(eng.cache)
     assert eng.generate(PROMPT, N_TOKENS) == ref
     st = eng.cache.stats
     if cache == "all":
@@ -128,9 +135,46 @@ def test_greedy_tokens_equal_reference(model_file, reference, tmp_path, cache):
     else:
         assert 0 < st.hit_rate < 1
     if cache == "warm":
-        assert st.steps and st.requests
+        assert any("warm start from" in m for m in logs)
+        assert hits[0] > 0                # the profile's experts serve the first step
+    if cache == "small":
+        assert hits[:3] == [0, 0, 0]      # cold: decisions serve from step t + 3
     # a second sequence starts from a clean recurrent, PLE and indexer state
     assert eng.generate(PROMPT, 12) == ref[:12]
+    eng.close()
+
+
+def _kv_dtypes(eng) -> set:
+    """The dtypes of the QSA layers' K and V caches."""
+    return {t.dtype for L, c in zip(eng.net.layers, eng.state.kv) if isinstance(L.mixer, rt.QSA) for t in c[:2]}
+
+
+@pytest.mark.parametrize("kv", ["f16", "bf16"])
+def test_half_kv_cache_greedy_tokens_equal_reference(model_file, reference, kv):
+    """-ctk/-ctv f16 (the default) and bf16: the QSA layer's K and V caches
+    hold that type, and the greedy tokens equal the reference's (float32
+    throughout)."""
+    per, _ = _expert_bytes(model_file)
+    eng = _engine(model_file, 2 * per, kv=kv)
+    assert _kv_dtypes(eng) == {{"f16": torch.float16, "bf16": torch.bfloat16}[kv]}
+    assert eng.generate(PROMPT, N_TOKENS) == reference[0]
+    eng.close()
+
+
+def test_262144_positions(model_file, reference):
+    """An engine allocated for 262,144 positions (f16 cache, the default)
+    decodes the reference's greedy tokens. On this factory model the QSA
+    layer's K and V (2 KV heads of 64) take 128 MiB, 176 MiB with the
+    indexer's keys and the GDN state."""
+    ctx = 262_144
+    per, _ = _expert_bytes(model_file)
+    eng = _engine(model_file, 2 * per, kv="f16", ctx_size=ctx)
+    a = eng.args
+    attn = [c for L, c in zip(eng.net.layers, eng.state.kv) if isinstance(L.mixer, rt.QSA)]
+    assert len(attn) == 1
+    assert sum(t.nbytes for c in attn for t in c[:2]) == 2 * a.n_head_kv * ctx * a.head_dim * 2 == 128 * 2 ** 20
+    assert eng.kv_bytes < 180 * 2 ** 20
+    assert eng.generate(PROMPT, 8) == reference[0][:8]
     eng.close()
 
 
