@@ -7,7 +7,7 @@
 #   build    only start upstream's build (in the background, its own process session: it outlives this
 #            call, and a later call on the same machine waits for it); prefill and decode start it too
 #   tests    the GPU tests of the engine (greedy tokens and KLD against the reference, the captured step,
-#            the kernels, the lanes), pytest -n 4
+#            the kernels, the lanes; 16-bit dense matrices, every expert type, prefill), pytest -n 4
 #   slots    fle-engine serve with 2 slots against 1 on the GPU engine, factory models of qwen3moe, qwen3next,
 #            and qwen4exp (bench/serve_slots.py --engine)
 #   prefill  FLE prefill (-ub 4096 and 8192) against upstream's best micro-batch at 1k, 4k and 8k tokens,
@@ -76,7 +76,11 @@ for s in $STAGES; do
     case $s in
         build) ;;              # started above; the stages that need it wait for it
         tests) stage tests python3 -m pytest -q -n 4 tests/test_engine.py tests/test_engine_slots.py \
-                   -k "greedy or kld or captured or experts_kernel or lanes or slots" ;;
+                   -k "greedy or kld or captured or experts_kernel or lanes or slots"
+               # the 16-bit dense kernel, every expert type's kernels, per-token stats, prefill against the
+               # reference, the kernels' busy time
+               stage tests-more python3 -m pytest -q -n 4 tests/test_engine_float_dense.py tests/test_engine_types.py \
+                   tests/test_engine_stats.py tests/test_bench_busy.py tests/test_prefill.py ;;
         slots) for arch in qwen3moe qwen3next qwen4exp; do
                    stage "slots-$arch" python3 bench/serve_slots.py --arch "$arch" --engine --device cuda \
                        --clients 8 --tokens 256 --repeat 3
