@@ -21,6 +21,9 @@
 #   kernels  the CUDA C kernels against their references (tests/test_cuda_mv.py), the engine's greedy tokens
 #            and KLD with the one-launch gate+up+down (FLE_CUDA_MV_FFN), then the kernel timings of one
 #            layer, Triton's against CUDA C's, two launches against one (bench/engine_kernels.py --cuda)
+#   checks   30B-A3B shape, calibrated routing, FLE alone: a decode step at position ~1,000 with 8,192 and
+#            131,072 positions allocated, and GPU memory and host time per token over 10,000 decoded tokens
+#            (bench/engine.py --checks)
 #   misses   the cost of a missed expert in a layer's launches against a kernel that only reads it
 #            (bench/engine_kernels.py --misses): this machine's zero-copy speed, which differs between machines
 # One stage's failure is logged and the next one runs; the exit status is the number of stages that failed.
@@ -95,8 +98,10 @@ for s in $STAGES; do
                  FLE_CUDA_MV_FFN=2,4,4,1 stage kernels-engine python3 -m pytest -q -n 8 tests/test_engine.py \
                      -k "experts_kernel or greedy or kld or captured or split"
                  stage kernels-bench python3 bench/engine_kernels.py --cuda --json "$OUT/kernels.json" ;;
+        checks) stage checks python3 bench/engine.py --skip-upstream --routing calibrated -n 32 -r 1 --no-all-gpu \
+                    --miss-split auto --checks --memory-tokens 10000 --json "$OUT/checks.json" ;;
         misses) stage misses python3 bench/engine_kernels.py --misses --json "$OUT/misses.json" ;;
-        *) echo "unknown stage $s (build, tests, slots, prefill, decode, kernels, misses)"; failed=$((failed + 1)) ;;
+        *) echo "unknown stage $s (build, tests, slots, prefill, decode, kernels, checks, misses)"; failed=$((failed + 1)) ;;
     esac
 done
 exit $failed
