@@ -43,6 +43,7 @@ _CPU = torch.device("cpu")
 @dataclass
 class CacheStats:
     steps: int = 0
+    tokens: int = 0             # the rows of those steps (a prompt's forward pass is one step of many)
     requests: int = 0
     hits: int = 0
     admissions: int = 0
@@ -113,6 +114,7 @@ class ExpertStore:
             self._load(a.expert, a.slot)
         st = self.stats
         st.steps += 1
+        st.tokens += n_tok
         st.requests += len(ids)
         st.hits += int(hit.sum())
         st.admissions += len(admitted)

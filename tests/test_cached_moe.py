@@ -49,8 +49,10 @@ def test_outputs_and_hits(setup, slots):
         assert stores[l].stats.requests == sim.requests[l]
     if slots == 8:
         assert all(stores[l].stats.admissions <= 8 for l in trace)
-    # a prefill call goes through the stores too
+    assert all(stores[l].stats.tokens == stores[l].stats.steps == len(toks) for l in trace)
+    # a prefill call goes through the stores too: one step of 20 tokens
     assert np.abs(m.logits(toks[:20]) - want[:20]).max() <= 1e-4 * np.abs(want).max()
+    assert all(stores[l].stats.tokens == stores[l].stats.steps + 19 for l in trace)
     detach_expert_cache(m)
     assert all(mo.store is None for mo in m.net.modules() if hasattr(mo, "store"))
 
