@@ -95,6 +95,10 @@ def _check(eng, log):
     assert f"{eng.stats.launch_seconds / tokens * 1e3:.3f} ms/token launches" in line
     assert f"hit rate {(lookups - misses) / lookups:.3f}" in line
     assert eng.lane_routed.sum(axis=0).tolist() == [st.requests, st.hits]
+    # the hits over time (save_stats): one entry per token, each out of one token's lookups
+    per_token = eng.args.n_layer * eng.args.n_expert_used
+    assert len(eng.step_hits) == tokens and sum(eng.step_hits) == lookups - misses
+    assert max(eng.step_hits) <= per_token
 
 
 def test_two_lane_steps_count_two_tokens_each(model_file, monkeypatch):

@@ -1149,7 +1149,13 @@ class Engine:
         ids = self._b_ids[par][:, :n * k].numpy()
         self.cache.observe(ids, hits, n)
         self._count_multi(ids, hits, n)
-        self.step_hits.append(int(hits.sum()))
+        self._token_hits(hits, n)
+
+    def _token_hits(self, hits: np.ndarray, n: int) -> None:
+        """A step of n rows (hits [L, n K]) in ``step_hits``: one entry per row,
+        as one-token steps give (``save_stats``' requests per step)."""
+        rows = hits.reshape(hits.shape[0], n, -1)
+        self.step_hits.extend(np.count_nonzero(rows, axis=(0, 2)).tolist())
 
     def _run_lanes(self, n: int) -> None:
         """The batched step of n rows on the device (its graph replayed, or eagerly)."""
@@ -1330,6 +1336,7 @@ class Engine:
         ids, hits = self._multi_ids[:, :n * k].numpy(), self._multi_hits[:, :n * k].numpy()
         self.cache.observe(ids, hits, n)
         self._count_multi(ids, hits, n)
+        self._token_hits(hits, n)
         self.lane_routed[self._lane] += (hits.size, np.count_nonzero(hits))
         self._multi_at = (self.launched, n)        # what a rewind of a recurrent net may undo
         return self._multi_tok_out[:n].tolist()
