@@ -495,8 +495,12 @@ def memory_check(model: Path, budget, n: int) -> dict:
     """GPU memory before and after ``n`` decoded tokens, and the host time per token."""
     import torch
 
+    import gc
+
     from fle_engine.runtime import Engine
 
+    gc.collect()                 # nothing of an earlier engine in this process left in the figures
+    torch.cuda.empty_cache()
     eng = Engine(model, device="cuda", cache_budget=budget, ctx_size=n + 16, profile_path="none", progress=False)
     rng = np.random.default_rng(2)
     v = eng.args.n_vocab

@@ -353,6 +353,29 @@ def test_policy_lag_one_step(model_file, next_file, tmp_path, arch):
     eng.close()
 
 
+@pytest.mark.parametrize("n_seq", [1, 2])
+def test_closed_engine_is_freed_without_garbage_collection(model_file, tmp_path, n_seq):
+    """A closed engine's memory (KV cache, expert slots, weights: gigabytes on
+    a GPU) goes with its last reference, not at some later garbage
+    collection: the engine holds no reference cycle after close()."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        eng = _engine(model_file, "1MiB", tmp_path, n_seq=n_seq, prefill_min=8)
+        eng.generate(list(range(1, 12)), 4)                 # a prefill, then decode steps
+        if n_seq > 1:
+            eng.step_lanes([0, 1], [5, 6])
+        eng.close()
+        refs = [weakref.ref(eng), weakref.ref(eng.cache), weakref.ref(eng.state.kv[0][0])]
+        del eng
+        assert [r() is None for r in refs] == [True, True, True]
+    finally:
+        gc.enable()
+
+
 def test_budget_and_options(model_file, tmp_path):
     assert parse_budget("17GiB") == 17 * 2 ** 30
     assert parse_budget("16G") == 16 * 10 ** 9

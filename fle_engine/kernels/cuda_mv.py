@@ -391,12 +391,15 @@ def experts_ffn(words: Tensor, qtype: GGMLType, host_delta: int, down_part_words
     gu_bpr = (n_ff + go * warps - 1) // (go * warps)
     dn_bpr = (n_embd + do * warps - 1) // (do * warps)
     mod = _module(ffn=True)
+    sync = mod.ffn_sync()
+    if sync is None:        # first used inside a capture: ffn_supported, called before, makes them
+        raise RuntimeError("experts_ffn: the fused launch's counters do not exist yet (call ffn_supported first)")
     args = [_p(words), ctypes.c_longlong(host_delta * word), ctypes.c_longlong(down_part_words * word),
             ctypes.c_longlong(expert_words * word), _p(slot_of), _p(ids), _p(weights), _p(x), _p(h), _p(y),
             ctypes.c_int(n_ff), ctypes.c_int(n_embd), ctypes.c_int(n_sub_gu), ctypes.c_int(n_sub_dn),
             ctypes.c_longlong(gu_row_bytes), ctypes.c_longlong(down_row_bytes), ctypes.c_int(n_used),
             ctypes.c_int(x.stride(0)), ctypes.c_int(h.stride(0)), ctypes.c_int(y.stride(0)),
-            ctypes.c_int(int(cpu_share)), ctypes.c_longlong(x_delta), _p(mod.sync), ctypes.c_int(gu_bpr),
+            ctypes.c_int(int(cpu_share)), ctypes.c_longlong(x_delta), _p(sync), ctypes.c_int(gu_bpr),
             ctypes.c_int(dn_bpr), ctypes.c_int(n_rows)]
     mod.launch(f"iq4xs_ffn_{go}_{do}_p{pre}", ((gu_bpr + dn_bpr) * n_rows, 1), 32 * warps, args)
     return y

@@ -1501,6 +1501,8 @@ class Engine:
             self.split = None
         if getattr(self, "prefill", None) is not None:
             self.prefill.close()
+            self.prefill = None      # it refers back to the engine: without this cycle the device memory goes with
+                                     # the last reference, not at the next garbage collection
         if getattr(self, "host", None) is not None:
             self.host.close()
 
