@@ -61,9 +61,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="engine: CPU expert kernels for the CPU's misses; auto (default): FLE's numba kernels where "
                         "their AVX-512 versions cover the file's expert types (faster than ggml's there), else "
                         "ggml's (from llama-cpp-python) when present, else FLE's numba kernels")
-    p.add_argument("--ubatch", "-ub", type=int, default=4096, metavar="N",
+    p.add_argument("--ubatch", "-ub", type=int, default=8192, metavar="N",
                    help="engine: prompts of at least --prefill-min tokens are processed N tokens at a time, each "
-                        "layer's uncached experts streamed to the GPU once per micro-batch (default 4096; larger "
+                        "layer's uncached experts streamed to the GPU once per micro-batch (default 8192, by measurement; larger "
                         f"micro-batches stream less per token; 1 to {UBATCH_MAX}; 0: prompts run as decode steps)")
     p.add_argument("--prefill-min", type=int, default=32, metavar="N",
                    help="engine: shorter prompts run as decode steps (at least 1; default 32)")

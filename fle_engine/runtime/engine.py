@@ -192,7 +192,7 @@ class Engine:
 
     def __init__(self, path, *, device="cuda", cache_budget="auto", ctx_size: int = 4096,
                  cache_type_k: str = "f16", cache_type_v: str = "f16", impl: str = "auto", miss_split="gpu",
-                 cpu_impl: str = "auto", miss_activations: str = "float", ubatch: int = 4096, prefill_min: int = PREFILL_MIN,
+                 cpu_impl: str = "auto", miss_activations: str = "float", ubatch: int = 8192, prefill_min: int = PREFILL_MIN,
                  profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
                  progress: bool = True, log=None, mtp=None, mtp_experts: str = "auto", n_seq: int = 1,
                  miss_prefetch: int = 0, mtp_drafter: str = "auto", host_experts: str = "auto"):
