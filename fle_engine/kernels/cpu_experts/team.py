@@ -503,8 +503,9 @@ class Team:
 
 def job_seconds(buf, offset: int, layout, impl: str, threads: int, n_used: int, n_expert: int, n_cpu: int,
                 seconds: float = 0.2, seed: int = 0) -> float:
-    """Mean seconds from posting a job of ``n_cpu`` random experts of one
-    layer (as the engine posts them, on a mailbox of its own) to its answer.
+    """Median seconds from posting a job of ``n_cpu`` random experts of one
+    layer (as the engine posts them, on a mailbox of its own) to its answer
+    (the median: a job that the OS preempts does not move it).
     Only that span is timed: the poster writes the next job's box before it
     posts, as the GPU's post kernel has its box ready, so the Python work
     between jobs is not counted as the team's."""
@@ -517,7 +518,7 @@ def job_seconds(buf, offset: int, layout, impl: str, threads: int, n_used: int, 
     team.start()
     k = min(n_cpu, n_used)
     try:
-        serial, n, busy, t_start = 0, 0, 0.0, time.perf_counter()
+        serial, n, busy, t_start, times = 0, 0, 0.0, time.perf_counter(), []
         while True:
             serial += 1
             b = boxes[0]
@@ -533,9 +534,10 @@ def job_seconds(buf, offset: int, layout, impl: str, threads: int, n_used: int, 
                     raise RuntimeError("the CPU team stopped while it was measured")
             if serial > 2:           # the first two jobs warm the caches and the members
                 n += 1
-                busy += time.perf_counter() - t0
+                times.append(time.perf_counter() - t0)
+                busy += times[-1]
                 if (n >= 5 and busy >= seconds) or time.perf_counter() - t_start > 10 * seconds:
-                    return busy / n
+                    return float(np.median(times))
     finally:
         stop[0] = 1
         team.join()
