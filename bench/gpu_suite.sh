@@ -24,6 +24,9 @@
 #   checks   30B-A3B shape, calibrated routing, FLE alone: a decode step at position ~1,000 with 8,192 and
 #            131,072 positions allocated, and GPU memory and host time per token over 10,000 decoded tokens
 #            (bench/engine.py --checks)
+#   union    the CUDA C union kernel of T-row steps (FLE_CUDA_MV_UNION=1): its tests against the references, the
+#            engine's verify-step, MTP and slots tests with it, then the verify step's T(n) at the calibrated skew
+#            with Triton's union kernel (0) and with it (1), misses on the GPU (bench/verify_step.py)
 #   misses   the cost of a missed expert in a layer's launches against a kernel that only reads it
 #            (bench/engine_kernels.py --misses): this machine's zero-copy speed, which differs between machines
 # One stage's failure is logged and the next one runs; the exit status is the number of stages that failed.
@@ -100,8 +103,15 @@ for s in $STAGES; do
                  stage kernels-bench python3 bench/engine_kernels.py --cuda --json "$OUT/kernels.json" ;;
         checks) stage checks python3 bench/engine.py --skip-upstream --routing calibrated -n 32 -r 1 --no-all-gpu \
                     --miss-split auto --checks --memory-tokens 10000 --json "$OUT/checks.json" ;;
+        union) FLE_CUDA_MV_UNION=1 stage union-kernel python3 -m pytest -q -n 6 tests/test_cuda_mv.py -k union
+               FLE_CUDA_MV_UNION=1 stage union-engine python3 -m pytest -q -n 8 tests/test_verify_step.py \
+                   tests/test_engine_mtp.py tests/test_engine_slots.py
+               for u in 0 1; do
+                   FLE_CUDA_MV_UNION=$u stage "union-verify-$u" python3 bench/verify_step.py --routing calibrated \
+                       --warmup 256 --reps 30 --miss-split gpu --json "$OUT/verify-union-$u.json"
+               done ;;
         misses) stage misses python3 bench/engine_kernels.py --misses --json "$OUT/misses.json" ;;
-        *) echo "unknown stage $s (build, tests, slots, prefill, decode, kernels, checks, misses)"; failed=$((failed + 1)) ;;
+        *) echo "unknown stage $s (build, tests, slots, prefill, decode, kernels, checks, union, misses)"; failed=$((failed + 1)) ;;
     esac
 done
 exit $failed

@@ -30,7 +30,8 @@ def _on(monkeypatch):
     """The kernels on, whatever the default (a test may turn them off); launch settings from
     the test alone."""
     monkeypatch.setenv("FLE_CUDA_MV", "1")
-    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL", "FLE_CUDA_MV_DENSE_T", "FLE_CUDA_MV_FFN"):
+    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL", "FLE_CUDA_MV_DENSE_T", "FLE_CUDA_MV_FFN",
+                 "FLE_CUDA_MV_UNION"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -84,6 +85,7 @@ def test_source_compiles(ffn, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     names = (tmp_path / "k.cubin").read_bytes()           # the ELF's string table holds the kernels' names
     assert (b"iq4xs_ffn_2_4_p1" in names) == ffn and (b"q8_0_mv_2_p0" in names) != ffn
+    assert (b"iq4xs_ugu_2" in names) != ffn and (b"iq4xs_udn_8" in names) != ffn
 
 
 def test_off_without_cuda_or_when_asked(monkeypatch):
@@ -427,3 +429,94 @@ def test_captured_in_a_graph():
     g.replay()
     torch.cuda.synchronize()
     _close(out.cpu(), reference.mul_mat(w.cpu(), GGMLType.Q8_0, x.cpu()))
+
+
+def test_union_kernel_switch_and_limits(monkeypatch):
+    """The CUDA C union kernel takes a T-row step only when switched on (FLE_CUDA_MV_UNION=1, else
+    UNION_DEFAULT), never a call that wants the read log or more than 16 tokens, never CPU tensors."""
+    dev = "cuda" if CUDA else "cpu"
+    words = torch.zeros(1024, dtype=torch.int32, device=dev)
+    x, out = torch.zeros(3, 256, device=dev), torch.zeros(9, 8, device=dev)
+    args = (words, GGMLType.IQ4_XS, x, out, None, 1088, 544)
+    monkeypatch.setenv("FLE_CUDA_MV_UNION", "0")
+    assert not cuda_mv.union_supported(*args, 9, 3)
+    monkeypatch.setenv("FLE_CUDA_MV_UNION", "1")
+    assert cuda_mv.union_supported(*args, 9, 3) == CUDA
+    assert not cuda_mv.union_supported(*args, 9, 3, reads=torch.zeros(9, dtype=torch.int32, device=dev))
+    assert not cuda_mv.union_supported(*args, 17 * 3, 3)
+    assert not cuda_mv.union_supported(words, GGMLType.Q4_K, x, out, None, 1088, 544, 9, 3)
+    monkeypatch.delenv("FLE_CUDA_MV_UNION")
+    assert cuda_mv.union_supported(*args, 9, 3) == (CUDA and cuda_mv.UNION_DEFAULT == "1")
+
+
+@gpu
+@pytest.mark.parametrize("config", ["1,4,1,4", "2,4,4,4", "4,2,8,1"])
+@pytest.mark.parametrize("share,rounded", [(0, False), (128, False), (0, True), (256, True), (100, False)])
+def test_union_experts_against_reference(config, share, rounded, monkeypatch):
+    """The T-row step's experts in the CUDA C union kernel (each distinct expert read once for its
+    rows, misses over PCIe, runtime.split's union rule for the CPU's share, rounded activations of
+    misses) equal experts_union_ref, and the routing repeats experts across tokens; launched twice
+    in a captured graph on new routing too."""
+    monkeypatch.setenv("FLE_CUDA_MV_CONFIG", config)
+    monkeypatch.setenv("FLE_CUDA_MV_UNION", "1")
+    c = _experts_setup(0, rounded, n_embd=2304)
+    ids_h = c.ids.cpu()
+    assert len(set(ids_h.tolist())) < c.R                       # some expert serves several tokens
+    st = engine_ops.ExpertWords(c.dev_slots.cpu(), c.pinned, 4)
+    smap_h = c.smap.cpu()
+    x_h = c.x.cpu()
+    xm_h = c.x_miss.cpu() if rounded else None
+
+    def reference(ids):
+        h = torch.zeros(c.R, c.n_ff)
+        engine_ops.experts_union_ref(st, c.qtype, 0, 0, 0, c.n_ff, c.rb_gu, smap_h, ids, x_h, h, True, c.n_used,
+                                     cpu_share=share, x_miss=xm_h)
+        h_in = torch.nn.functional.pad(h, (0, 256 - c.n_ff))
+        y = torch.zeros(c.R, c.n_embd)
+        engine_ops.experts_union_ref(st, c.qtype, 0, c.d_off // 4, 0, c.n_embd, c.rb_d, smap_h, ids, h_in, y, False,
+                                     c.n_used, c.wts.cpu(), cpu_share=share)
+        return h, h_in, y
+
+    h = torch.full((c.R, c.n_ff), 7.0, device="cuda")
+    y = torch.full((c.R, c.n_embd), 7.0, device="cuda")
+    h_in = torch.zeros(c.R, 256, device="cuda")
+
+    def run(ids):
+        assert cuda_mv.union_supported(c.words, c.qtype, c.x, h, c.x_miss, c.eb, 0, c.R, c.n_used)
+        cuda_mv.experts_union(c.words, c.qtype, c.delta, 0, c.eb // 4, c.n_ff, c.rb_gu, c.smap, ids, c.x, h, True,
+                              c.n_used, cpu_share=share, x_miss=c.x_miss)
+        cuda_mv.experts_union(c.words, c.qtype, c.delta, c.d_off // 4, c.eb // 4, c.n_embd, c.rb_d, c.smap, ids,
+                              h_in, y, False, c.n_used, c.wts, cpu_share=share)
+
+    ref_h, ref_hin, ref_y = reference(ids_h)
+    h_in.copy_(ref_hin.cuda())
+    run(c.ids)
+    torch.cuda.synchronize()
+    keep = [r for r in range(c.R) if ref_y[r].any()]
+    assert (len(keep) < c.R) == (share > 0)
+    _close(h.cpu()[keep], ref_h[keep])
+    _close(y.cpu(), ref_y)
+    # the dispatch table picks it for the T-row step when switched on
+    y.fill_(7.0)
+    fast = engine_ops.pick("triton", torch.device("cuda"))
+    fast.experts_union(c.words, c.qtype, c.delta, c.d_off // 4, c.eb // 4, c.n_embd, c.rb_d, c.smap, c.ids, h_in, y,
+                       False, c.n_used, c.wts, cpu_share=share)
+    torch.cuda.synchronize()
+    _close(y.cpu(), ref_y)
+    # captured, replayed on other routing (ids written in place)
+    ids_dev = c.ids.clone()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run(ids_dev)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        run(ids_dev)
+    new = torch.roll(ids_h.view(-1, c.n_used), 1, dims=0).reshape(-1)
+    ids_dev.copy_(new.cuda())
+    ref_h, ref_hin, ref_y = reference(new)
+    h_in.copy_(ref_hin.cuda())
+    g.replay()
+    torch.cuda.synchronize()
+    _close(y.cpu(), ref_y)

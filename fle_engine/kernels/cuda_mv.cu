@@ -287,6 +287,154 @@ EXPERTS_PRE(dn, 0, 4)
 EXPERTS_PRE(dn, 0, 8)
 #endif
 
+// The routed experts of a T-row step (a verify step's tokens, batched lanes: rows r = t * n_used + k),
+// each distinct expert read once for every row routed to it (triton_engine.experts_union's rule):
+// the blocks of row r compute only when r is the first row of its expert, then for all of that
+// expert's rows (up to UMAX, UT at a time with the weights of a sub-block loaded once for them).
+// cpu_share: runtime.split's union rule, the last round(n_d * share / 256) of the step's n_d
+// distinct missed experts (in the order of their first rows) are the CPU's, skipped here (their
+// down rows written as zeros).
+#define UMAX 16
+#define UT 4
+template <int GU, int OPW>
+__device__ __forceinline__ void iq4xs_union(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,
+                                            const int* slot_of, const i64* ids, const float* wts, const float* x,
+                                            float* y, int n_out, int n_sub, i64 row_bytes, int n_used, int n_rows,
+                                            int stride_x, int stride_y, int cpu_share, i64 x_miss_delta) {
+    grid_wait();
+    grid_release();
+    const int lane = threadIdx.x & 31;
+    const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
+    if (o0 >= n_out) return;
+    const int r = blockIdx.y;
+    const i64 e = ids[r];
+    // owner: no earlier row routes to e
+    bool earlier = false;
+    for (int j = lane; j < r; j += 32) earlier |= ids[j] == e;
+    if (__any_sync(0xFFFFFFFFu, earlier)) return;
+    // e's rows, in order (the same list in every lane)
+    int rows[UMAX];
+    int cnt = 0;
+    for (int j0 = r; j0 < n_rows; j0 += 32) {
+        const int j = j0 + lane;
+        unsigned m = __ballot_sync(0xFFFFFFFFu, j < n_rows && ids[j] == e);
+        while (m) {
+            const int b = __ffs(m) - 1;
+            m &= m - 1;
+            if (cnt < UMAX) rows[cnt] = j0 + b;
+            ++cnt;
+        }
+    }
+    cnt = cnt < UMAX ? cnt : UMAX;          // cuda_mv.py gives this kernel no step with more
+    const int s = slot_of[e];
+    if (cpu_share > 0 && s < 0) {
+        // distinct missed experts: rows that are the first of their expert and miss; e's place among them
+        int n_d = 0, before = 0;
+        for (int j0 = 0; j0 < n_rows; j0 += 32) {
+            const int j = j0 + lane;
+            bool dm = false;
+            if (j < n_rows) {
+                const i64 ej = ids[j];
+                bool first = true;
+                for (int i = 0; i < j; ++i) first &= ids[i] != ej;
+                dm = first && slot_of[ej] < 0;
+            }
+            const unsigned m = __ballot_sync(0xFFFFFFFFu, dm);
+            n_d += __popc(m);
+            before += __popc(m & (j0 + 32 <= r ? 0xFFFFFFFFu : (r > j0 ? (1u << (r - j0)) - 1u : 0u)));
+        }
+        const int n_cpu = (n_d * cpu_share + 128) >> 8;
+        if (before >= n_d - n_cpu) {
+            if (!GU && lane < OPW && o0 + lane < n_out)
+                for (int q = 0; q < cnt; ++q) y[(i64)rows[q] * stride_y + o0 + lane] = 0.0f;
+            return;
+        }
+    }
+    const char* ex = (s >= 0) ? base + (i64)s * expert_bytes : base + host_delta + e * expert_bytes;
+    const char* m = ex + part_bytes;
+    const i64 xd = s < 0 ? x_miss_delta : 0;
+    constexpr int NR = GU ? 2 * OPW : OPW;
+    for (int g = 0; g < cnt; g += UT) {
+        const int ng = cnt - g < UT ? cnt - g : UT;
+        const float* xr[UT];
+#pragma unroll
+        for (int q = 0; q < UT; ++q) {
+            const int row = rows[g + (q < ng ? q : 0)];
+            xr[q] = x + (i64)(GU ? row / n_used : row) * stride_x + xd;
+        }
+        float acc[UT][NR];
+#pragma unroll
+        for (int q = 0; q < UT; ++q)
+#pragma unroll
+            for (int i = 0; i < NR; ++i) acc[q][i] = 0.0f;
+        for (int it = lane; it < n_sub; it += 32) {
+            Iq4Sub w[NR];
+#pragma unroll
+            for (int i = 0; i < NR; ++i) {
+                const int o = o0 + (GU ? (i >> 1) : i);
+                const i64 row = GU ? (i64)o + (i & 1) * (i64)n_out : (i64)o;
+                if (o < n_out) w[i] = iq4xs_load(m + row * row_bytes, it);
+            }
+#pragma unroll
+            for (int q = 0; q < UT; ++q) {
+                if (q < ng) {
+                    float4 xv[8];
+                    load_x32(xr[q], it, xv);
+#pragma unroll
+                    for (int i = 0; i < NR; ++i)
+                        if (o0 + (GU ? (i >> 1) : i) < n_out) acc[q][i] += iq4xs_dot(w[i], it, xv);
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < UT; ++q)
+#pragma unroll
+            for (int i = 0; i < NR; ++i) acc[q][i] = warp_sum(acc[q][i]);
+        if (lane == 0) {
+#pragma unroll
+            for (int q = 0; q < UT; ++q) {
+                if (q < ng) {
+                    const int row = rows[g + q];
+                    const float wt = GU ? 1.0f : wts[row];
+#pragma unroll
+                    for (int j = 0; j < OPW; ++j) {
+                        const int o = o0 + j;
+                        if (o < n_out) {
+                            float v;
+                            if (GU) {
+                                const float gt = acc[q][2 * j], u = acc[q][2 * j + 1];
+                                v = gt / (1.0f + __expf(-gt)) * u;
+                            } else {
+                                v = acc[q][j] * wt;
+                            }
+                            y[(i64)row * stride_y + o] = v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define UNION(NAME, GU, OPW)                                                                                        \
+    extern "C" __global__ void NAME(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,            \
+                                    const int* slot_of, const i64* ids, const float* wts, const float* x, float* y, \
+                                    int n_out, int n_sub, i64 row_bytes, int n_used, int n_rows, int stride_x,     \
+                                    int stride_y, int cpu_share, i64 x_miss_delta) {                               \
+        iq4xs_union<GU, OPW>(base, host_delta, part_bytes, expert_bytes, slot_of, ids, wts, x, y, n_out, n_sub,    \
+                             row_bytes, n_used, n_rows, stride_x, stride_y, cpu_share, x_miss_delta);              \
+    }
+
+#ifndef FLE_ONLY_FFN
+UNION(iq4xs_ugu_1, 1, 1)
+UNION(iq4xs_ugu_2, 1, 2)
+UNION(iq4xs_ugu_4, 1, 4)
+UNION(iq4xs_udn_1, 0, 1)
+UNION(iq4xs_udn_2, 0, 2)
+UNION(iq4xs_udn_4, 0, 4)
+UNION(iq4xs_udn_8, 0, 8)
+#endif
+
 // Gate+up and down of a layer's routed experts in one launch (h = silu(gate x) * up x, then
 // y = w * down h per routed row), so that the down part's blocks start, and read their weights,
 // while the last gate+up blocks run, with no launch between. Blocks take tickets in the order

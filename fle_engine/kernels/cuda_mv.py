@@ -1,9 +1,11 @@
 """One-token products in CUDA C (``cuda_mv.cu``), for the decode step's
 two heaviest kinds of launch: the routed IQ4_XS experts (from their cache
 slots or over PCIe from page-locked host memory, as
-:func:`triton_engine.experts`) and Q8_0 dense matrices. Triton's versions
-of both stay the fast side's fallback for every other case (other types,
-T > 1, unaligned buffers) and the form the tests run without a GPU; the
+:func:`triton_engine.experts`) and Q8_0 dense matrices. The T-row step's experts
+(each distinct expert read once for all its rows) have a CUDA C kernel too,
+off until measured (:data:`UNION_DEFAULT`, ``FLE_CUDA_MV_UNION=1``). Triton's versions
+of all of them stay the fast side's fallback for every other case (other types,
+T > 1 dense rows past :data:`DENSE_T_MAX`, unaligned buffers) and the form the tests run without a GPU; the
 references in :mod:`engine_ops` stay the slow, obvious twins.
 
 The source is compiled once per process with NVRTC (the library that
@@ -50,8 +52,8 @@ from fle_quant.ggml_types import GGMLType
 
 from .ptx_decode import BOOK_WORDS
 
-__all__ = ["enabled", "experts_supported", "experts", "ffn_supported", "experts_ffn", "dense_supported", "dense",
-           "dense_t_max", "EXPERT_CONFIG", "FFN_CONFIG", "DENSE_CONFIG", "DENSE_T_MAX"]
+__all__ = ["enabled", "experts_supported", "experts", "union_supported", "experts_union", "ffn_supported",
+           "experts_ffn", "dense_supported", "dense", "dense_t_max", "UNION_DEFAULT", "EXPERT_CONFIG", "FFN_CONFIG", "DENSE_CONFIG", "DENSE_T_MAX"]
 
 SOURCE = Path(__file__).with_name("cuda_mv.cu")
 DEFAULT = "1"             # FLE_CUDA_MV when unset
@@ -90,6 +92,14 @@ _DENSE_T = (1, 2, 3, 4)
 # CUDA C experts with loads-first, but the captured decode step ran slower with it (294.6 against 304.5 tok/s
 # with every expert cached); loads-first slowed layers read over PCIe by 30 %, so PRE stays 0.
 PDL_DEFAULT = "0"
+
+# FLE_CUDA_MV_UNION when unset: the T-row step's experts (verify steps, batched lanes), each distinct expert
+# read once for its rows, in CUDA C (cuda_mv.cu's iq4xs_union) instead of Triton's union kernel, whose
+# launches took 3.87x the one-token step's at T = 3 on an H200 (2026-12-04) while the bytes grew 2.9x. Off
+# until a GPU run has checked and timed it (tests/test_cuda_mv.py, bench/verify_step.py); it takes the
+# miss mode's launch shapes (EXPERT_CONFIG) without loads-first.
+UNION_DEFAULT = "0"
+_UNION_MAX = 16           # rows per expert the kernel takes (cuda_mv.cu's UMAX): tokens in one step
 
 _IQ4_SUPER = 136          # bytes of an IQ4_XS super-block (256 values)
 _Q8_BLOCK = 34
@@ -342,6 +352,49 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
             ctypes.c_int(n_used), ctypes.c_int(x.stride(0)), ctypes.c_int(out.stride(0)), ctypes.c_int(int(cpu_share)),
             ctypes.c_longlong(x_delta)]
     _module().launch(f"iq4xs_{kind}_{rows}_p{pre}", grid, 32 * warps, args)
+    return out
+
+
+def union_on() -> bool:
+    """Whether the T-row step's experts may take the CUDA C union kernel (FLE_CUDA_MV_UNION=1, else
+    :data:`UNION_DEFAULT`)."""
+    return os.environ.get("FLE_CUDA_MV_UNION", UNION_DEFAULT) == "1"
+
+
+def union_supported(words: Tensor, qtype: GGMLType, x: Tensor, out: Tensor, x_miss: "Tensor | None",
+                    expert_bytes: int, part_bytes: int, n_rows: int, n_used: int,
+                    reads: "Tensor | None" = None) -> bool:
+    """Whether :func:`experts_union` takes this call (else Triton's union kernel does): IQ4_XS,
+    at most 16 tokens (rows per expert), no read log."""
+    if not union_on() or reads is not None or n_rows > _UNION_MAX * n_used:
+        return False
+    return experts_supported(words, qtype, x, out, x_miss, expert_bytes, part_bytes, "miss")
+
+
+def experts_union(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
+                  n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
+                  gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
+                  reads: "Tensor | None" = None, cpu_share: int = 0, x_miss: "Tensor | None" = None) -> Tensor:
+    """:func:`triton_engine.experts_union` (same arguments and result: each distinct expert read
+    once for all the rows routed to it, runtime.split's union rule for ``cpu_share``) for IQ4_XS
+    experts in the CUDA C kernel; callers check :func:`union_supported`."""
+    if reads is not None:
+        raise FleError("internal: the CUDA C union kernel keeps no read log (union_supported refuses it)")
+    word = words.element_size()
+    rows, warps, _pre = _expert_config(gate_up, "miss")
+    if rows not in (_GU_ROWS if gate_up else _DN_ROWS):
+        raise FleError(f"FLE_CUDA_MV_CONFIG: no {'gate+up' if gate_up else 'down'} kernel with {rows} rows per "
+                       f"warp (there are {_GU_ROWS if gate_up else _DN_ROWS})")
+    n_rows = ids.shape[0]
+    n_sub = row_bytes // _IQ4_SUPER * 8
+    x_delta = 0 if x_miss is None else (x_miss.data_ptr() - x.data_ptr()) // 4
+    grid = ((n_out + rows * warps - 1) // (rows * warps), n_rows)
+    args = [_p(words), ctypes.c_longlong(host_delta * word), ctypes.c_longlong(part_words * word),
+            ctypes.c_longlong(expert_words * word), _p(slot_of), _p(ids), _p(out if weights is None else weights),
+            _p(x), _p(out), ctypes.c_int(n_out), ctypes.c_int(n_sub), ctypes.c_longlong(row_bytes),
+            ctypes.c_int(n_used), ctypes.c_int(n_rows), ctypes.c_int(x.stride(0)), ctypes.c_int(out.stride(0)),
+            ctypes.c_int(int(cpu_share)), ctypes.c_longlong(x_delta)]
+    _module().launch(f"iq4xs_u{'gu' if gate_up else 'dn'}_{rows}", grid, 32 * warps, args)
     return out
 
 

@@ -594,7 +594,7 @@ def _fast():
                            add_rmsnorm=te.add_rmsnorm, qk_rope_kv=te.qk_rope_kv, attention=te.attention,
                            embed_row=te.embed_row, hc_write_norm=te.hc_write_norm, hc_mix=te.hc_mix,
                            gather_rows=te.gather_rows, gdn_step=te.gdn_step, post_misses=te.post_misses,
-                           wait_misses=te.wait_misses, experts_union=te.experts_union,
+                           wait_misses=te.wait_misses, experts_union=_experts_union_fast,
                            qk_rope_kv_multi=te.qk_rope_kv_multi, attention_multi=te.attention_multi,
                            dequant=_dequant_fast, gdn_tokens=te.gdn_tokens, round_acts=te.round_acts,
                            stage_pick=te.stage_pick, stage_copy=te.stage_copy, stage_apply=te.stage_apply,
@@ -614,6 +614,22 @@ def _experts_fast(words: Tensor, qtype: GGMLType, host_delta: int, part_words: i
                                                 part_words * word, mode) else te
     return impl.experts(words, qtype, host_delta, part_words, expert_words, n_out, row_bytes, slot_of, ids, x, out,
                         gate_up, n_used, weights, mode=mode, cpu_share=cpu_share, x_miss=x_miss)
+
+
+def _experts_union_fast(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
+                        n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
+                        gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
+                        reads: "Tensor | None" = None, cpu_share: int = 0, x_miss: "Tensor | None" = None) -> Tensor:
+    """The T-row step's experts on the fast side: the CUDA C union kernel where it is switched on and
+    takes the call (:func:`.cuda_mv.union_supported`), else Triton's."""
+    from . import cuda_mv, triton_engine as te
+
+    word = words.element_size()
+    impl = cuda_mv if cuda_mv.union_supported(words, qtype, x, out, x_miss, expert_words * word, part_words * word,
+                                              ids.shape[0], n_used, reads) else te
+    return impl.experts_union(words, qtype, host_delta, part_words, expert_words, n_out, row_bytes, slot_of, ids, x,
+                              out, gate_up, n_used, weights, mode=mode, reads=reads, cpu_share=cpu_share,
+                              x_miss=x_miss)
 
 
 def _experts_ffn_fast(gate_up: tuple, down: tuple, slot_of: Tensor, ids: Tensor, x: Tensor, h: Tensor, y: Tensor,
