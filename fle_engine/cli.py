@@ -332,8 +332,8 @@ def use_engine(model: str, args, mtp_on_engine: bool = False) -> bool:
     """Whether ``model`` runs on the engine (GPU expert cache); otherwise the
     reference pass runs it on the GPU, with a warning saying why.
     ``mtp_on_engine``: the caller drafts with the MTP head on the engine
-    (generate, for the architectures of :data:`fle_engine.runtime.mtp.HEADS`);
-    otherwise --mtp is refused here (serve drafts on the reference path)."""
+    (generate and serve, for the architectures of
+    :data:`fle_engine.runtime.mtp.HEADS`); otherwise --mtp is refused here."""
     from fle_quant.gguf_reader import GGUFModel
 
     from .runtime import ARCHS
@@ -347,11 +347,24 @@ def use_engine(model: str, args, mtp_on_engine: bool = False) -> bool:
         return False
     if args.mtp or args.mtp_head:
         if not mtp_on_engine:
-            raise FleError("serve --mtp runs on the reference path for now: add --device cpu, or drop --mtp")
+            raise FleError("--mtp does not run on the engine here: add --device cpu, or drop --mtp")
         if arch not in HEADS:
             raise FleError(f"--mtp on the engine runs {', '.join(HEADS)} files; {arch} drafts on the reference "
                            f"path for now: add --device cpu, or drop --mtp")
     return True
+
+
+def _engine_mtp(args):
+    """The engine's ``mtp`` argument for --mtp / --mtp-head (None without
+    them), --draft-max checked against its verify step's size."""
+    from .runtime.engine import VERIFY_MAX
+
+    mtp = args.mtp_head or (True if args.mtp else None)
+    if mtp and not 1 <= args.draft_max <= VERIFY_MAX - 1:
+        raise FleError(f"--draft-max {args.draft_max}: the engine drafts 1 to {VERIFY_MAX - 1} tokens ahead (its "
+                       f"verify step takes up to {VERIFY_MAX} tokens); lower --draft-max, or draft on the "
+                       f"reference path (--device cpu)")
+    return mtp
 
 
 def _generate_engine(args, tok, prompt, sampler, vocab=None) -> int:
@@ -369,11 +382,7 @@ def _generate_engine(args, tok, prompt, sampler, vocab=None) -> int:
         ctx = min(ctx, n_ctx_train)
     if ctx < 0:
         raise FleError(f"--ctx-size must be 0 (the model's own) or a number of tokens, got {ctx}")
-    mtp = args.mtp_head or (True if args.mtp else None)
-    if mtp and not 1 <= args.draft_max <= VERIFY_MAX - 1:
-        raise FleError(f"--draft-max {args.draft_max}: the engine drafts 1 to {VERIFY_MAX - 1} tokens ahead (its "
-                       f"verify step takes up to {VERIFY_MAX} tokens); lower --draft-max, or draft on the "
-                       f"reference path (--device cpu)")
+    mtp = _engine_mtp(args)
     with Engine(args.model, device="cuda", cache_budget=args.cache_budget, ctx_size=ctx,
                 cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                 profile_path=args.cache_profile, miss_split=args.miss_split, cpu_impl=args.cpu_kernels,
@@ -425,12 +434,14 @@ def _serve(args) -> int:
     declare_inputs(args.model, args.mtp_head, args.draft_vocab_corpus)
     device = resolve_device(args.device)
     runtime = None
-    if device == "cuda" and use_engine(args.model, args):
+    if device == "cuda" and use_engine(args.model, args, mtp_on_engine=True):
         runtime = dict(cache_budget=args.cache_budget, cache_type_k=args.cache_type_k,
                        cache_type_v=args.cache_type_v, profile_path=args.cache_profile,
                        miss_split=args.miss_split, cpu_impl=args.cpu_kernels, ubatch=args.ubatch,
                        prefill_min=args.prefill_min, miss_activations=args.miss_activations,
                        miss_prefetch=args.miss_prefetch, host_experts=args.host_experts)
+        if mtp:        # the head on the engine too (one sequence: the slots take turns)
+            runtime.update(mtp=_engine_mtp(args), mtp_drafter=args.mtp_drafter)
     return serve(args.model, host=args.host, port=args.port, ctx_size=args.ctx_size, device=device,
                  threads=args.threads, mtp=args.mtp, mtp_head=args.mtp_head, n_draft=args.draft_max,
                  draft_vocab=args.draft_vocab, draft_vocab_corpus=args.draft_vocab_corpus,

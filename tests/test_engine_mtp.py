@@ -431,8 +431,8 @@ def test_refusals(next_file, tmp_path):
 def test_cli_generate_mtp_runs_on_the_engine(next_file, monkeypatch, capsys, tmp_path):
     """fle-engine generate --mtp with a CUDA device runs the engine's loop
     (here the CPU engine stands in for the GPU one): the text of plain
-    engine decoding, the acceptance lines; serve --mtp is still refused on
-    the engine."""
+    engine decoding, the acceptance lines; serve --mtp takes the engine too
+    (a caller that does not draft on it refuses --mtp)."""
     from fle_engine import cli
     import fle_engine.runtime as runtime
 
@@ -457,8 +457,62 @@ def test_cli_generate_mtp_runs_on_the_engine(next_file, monkeypatch, capsys, tmp
     assert cli.main(base + ["--mtp", "--draft-max", "4"]) != 0
     assert "1 to 3 tokens ahead" in capsys.readouterr().err
     args = cli._parser().parse_args(["serve", str(next_file), "--mtp"])
-    with pytest.raises(FleError, match="serve --mtp runs on the reference path"):
+    assert cli.use_engine(str(next_file), args, mtp_on_engine=True)
+    with pytest.raises(FleError, match="--mtp does not run on the engine here"):
         cli.use_engine(str(next_file), args)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_server_mtp_on_the_engine(next_file, budget, plain, monkeypatch, adaptive):
+    """fle-engine serve --mtp on the engine (the CPU engine standing in for
+    the GPU one): the runtime gets the head (serve's runtime options), the
+    server drafts in the engine's verify steps, and a greedy request answers
+    the tokens of plain engine decoding with drafts counted; sampled
+    requests run through the same loop."""
+    import threading
+
+    from fle_engine import cli, server
+    from fle_engine.sampling import SamplerParams
+    from fle_engine.server import main as server_main
+    from fle_engine.server.slots import Job
+    import fle_engine.runtime as runtime
+
+    made, served = [], []
+
+    class CpuEngine(Engine):
+        def __init__(self, path, **kw):
+            kw.update(device=DEVICE, profile_path="none", progress=False, log=lambda m: None, cache_budget=budget,
+                      cache_type_k="f32", cache_type_v="f32")
+            super().__init__(path, **kw)
+            made.append(self)
+
+    async def no_listen(engine, *a, **k):       # the server as serve builds it, without the HTTP listener
+        served.append(engine)
+
+    monkeypatch.setattr(cli, "resolve_device", lambda d: "cuda")
+    monkeypatch.setattr(runtime, "Engine", CpuEngine)
+    monkeypatch.setattr(server_main, "_listen", no_listen)
+    monkeypatch.setattr(server_main, "_print_summary", lambda model, log: None)
+    argv = ["serve", str(next_file), "--mtp", "--draft-max", "3", "-c", str(N + 48), "--port", "0"]
+    assert cli.main(argv + (["--draft-adaptive"] if adaptive else [])) == 0
+    srv, rt = served[0], made[0]
+    srv.stop()
+    assert srv.mtp and srv.runtime and not srv.lanes and rt.drafter is not None and rt.n_seq == 1
+    assert (srv.draft_policy is not None) == adaptive and (not adaptive or not srv.draft_policy.resettle)
+    # the engine was closed when serve returned; a server on a fresh one answers requests
+    rt = CpuEngine(next_file, ctx_size=N + 48, mtp=True)
+    srv = server.Engine(rt, srv.tok, n_ctx=N + 48, name="t", mtp=True, n_draft=3, draft_adaptive=adaptive)
+    try:
+        greedy = SamplerParams(temp=0.0, seed=0)
+        res = srv.run(Job(list(SHORT), 40, greedy, ignore_eos=True), threading.Event(), None)
+        assert res.tokens == plain["short"][:40]
+        assert res.drafted > 0 and rt.stats.multi_steps > 0          # drafts checked in verify steps
+        hot = srv.run(Job(list(SHORT), 16, SamplerParams(temp=0.8, seed=3), ignore_eos=True), threading.Event(),
+                      None)
+        assert hot.n_generated == 16
+    finally:
+        srv.stop()
+        rt.close()
 
 
 def test_bench_drafters_smoke(next_file, tmp_path):

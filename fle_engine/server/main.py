@@ -114,7 +114,9 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 8080, ctx_siz
     if tok.n_vocab > model.n_vocab:
         raise FleError(f"{model_path}: the vocabulary has {tok.n_vocab} tokens but the model outputs "
                        f"{model.n_vocab}; the file is inconsistent")
-    if mtp_head:
+    if runtime is not None and (mtp or mtp_head):
+        mtp = True                   # the engine loaded the head (runtime's mtp, mtp_drafter)
+    elif mtp_head:
         if not hasattr(model.net, "load_mtp"):
             raise FleError(f"{model_path}: FLE runs no MTP head for {model.arch} models")
         model.net.load_mtp(mtp_head)

@@ -215,7 +215,8 @@ class Engine:
         if n_ctx < 2 * n_parallel:
             raise FleError(f"the context size must be at least 2 tokens per slot, got {n_ctx} for {n_parallel} "
                            "slots")
-        if mtp and getattr(model.net, "mtp", None) is None:
+        on_runtime = bool(getattr(model, "runtime", False))
+        if mtp and (getattr(model, "drafter", None) if on_runtime else getattr(model.net, "mtp", None)) is None:
             raise FleError(f"{model.path}: no MTP head loaded; --mtp needs a model file with the MTP block "
                            "inside, or --mtp-head FILE")
         if n_draft < 1:
@@ -228,7 +229,8 @@ class Engine:
         # MTP drafting from a token list (draft_vocab.DraftVocab), and one adaptive draft count for all requests
         # (acceptance and verify costs learnt across them; every request's steps run on the worker thread)
         self.draft_vocab = draft_vocab
-        self.draft_policy = AdaptiveDraft(n_draft) if draft_adaptive and mtp else None
+        self.draft_policy = (AdaptiveDraft(n_draft, resettle=not on_runtime)    # the engine restores, no re-run
+                             if draft_adaptive and mtp else None)
         self.n_parallel = n_parallel
         self.created = int(time.time())
         self.runtime = bool(getattr(model, "runtime", False))
@@ -615,7 +617,13 @@ class Engine:
             return
         if not self.stepped:
             stop = () if job.ignore_eos else eog
-            if self.mtp:
+            if self.mtp and self.runtime:   # the engine's loop: drafts checked in its verify steps
+                task.spec = SpecStats()
+                task.gen = self.model.speculative(job.prompt, job.n_predict, stop, n_draft=self.n_draft,
+                                                  sampler=None if job.params.temp <= 0 else task.sampler,
+                                                  stats=task.spec, vocab=self.draft_vocab,
+                                                  adaptive=self.draft_policy)
+            elif self.mtp:
                 task.spec = SpecStats()
                 task.gen = generate_speculative(self.model, job.prompt, job.n_predict, task.sampler, stop=stop,
                                                 n_draft=self.n_draft, stats=task.spec, vocab=self.draft_vocab,
