@@ -432,6 +432,60 @@ def test_prefill_equals_reference(request, reference_logits, arch, lend):
     eng.close()
 
 
+def test_routed_only_rule():
+    """A one-micro-batch prompt copies only its routed experts while its
+    tokens are expected to route to under ROUTED_ONLY_BELOW of a layer's
+    experts: never at 32 tokens of a 128-expert, 8-used file, up to ~80
+    tokens of a 512-expert, 10-used one; a prompt of several micro-batches
+    never."""
+    from types import SimpleNamespace
+
+    from fle_engine.runtime.prefill import ROUTED_ONLY_BELOW, Prefill, routed_share
+
+    assert routed_share(1, 8, 128) == pytest.approx(8 / 128)
+    assert routed_share(32, 8, 128) > ROUTED_ONLY_BELOW > routed_share(32, 10, 512)
+    assert routed_share(81, 10, 512) < ROUTED_ONLY_BELOW < routed_share(83, 10, 512)
+
+    def rule(n, n_used, n_expert, ubatch=8192):
+        eng = SimpleNamespace(net=SimpleNamespace(args=SimpleNamespace(n_expert_used=n_used, n_expert=n_expert)))
+        return Prefill(eng, ubatch).routed_only(list(range(n)))
+
+    assert not rule(32, 8, 128) and rule(32, 10, 512) and rule(80, 10, 512) and not rule(90, 10, 512)
+    assert not rule(40, 10, 512, ubatch=16)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_FILES))
+def test_routed_only_prefill_equals_reference(request, reference_logits, arch):
+    """Routed-only copying (forced on a factory model): each layer's router
+    first, then only its routed uncached experts copied. Every position's
+    logits equal the reference pass's, fewer bytes move than with whole
+    layers, and the cache holds what it held before."""
+    path = request.getfixturevalue(ARCH_FILES[arch])
+    prompt = REF_PROMPT[:3]
+    ref = reference_logits(path, prompt)
+    eng = _engine(path, 2, ubatch=16)
+    eng.generate(REF_PROMPT[:12], 6)
+    before = _cache_contents(eng.cache)
+    moved = {}
+    for forced in (False, True):
+        eng.prefill.force_routed = forced
+        got = _prefill_logits(eng, prompt)
+        st = eng.prefill.stats
+        assert st.routed_only == forced
+        moved[forced] = st.bytes_copied
+        kld = _kld_rows(ref, got)
+        assert float(kld.mean()) <= 1e-4, float(kld.mean())
+        assert (got.argmax(-1) == ref.argmax(-1)).all()
+    from fle_engine.runtime.prefill import routed_share
+
+    a = eng.args
+    assert routed_share(len(prompt), a.n_expert_used, a.n_expert) < 1
+    assert 0 < moved[True] < moved[False]
+    after = _cache_contents(eng.cache)
+    assert np.array_equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    eng.close()
+
+
 @pytest.mark.parametrize("arch", sorted(ARCH_FILES))
 def test_prefill_bf16_against_float32(request, arch, capsys):
     """The bfloat16 products (the default on CUDA) against float32 on the

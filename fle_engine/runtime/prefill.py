@@ -36,6 +36,14 @@ layer's uncached experts are first packed on the host into one of
 ``depth`` page-locked pack buffers (plain memory without CUDA), after the
 host has waited for the copy out of that buffer ``depth`` layers before.
 
+A prompt of one micro-batch too short to route to most experts (the
+expected share of a layer's experts that its T tokens route to,
+1 - (1 - K/E)^T, below :data:`ROUTED_ONLY_BELOW`: up to ~80 tokens on
+512-expert files, never at or above 32 tokens on 128-expert ones) moves only
+the routed uncached experts instead: each layer's router runs first, its
+routed experts are read back to the host (one synchronisation per layer),
+and only those are copied, with no copy ahead of the layer (``routed``).
+
 Measure (``PrefillStats``): tokens, seconds, bytes copied, and the time the
 compute stream stood waiting for a copy (copying without computing).
 """
@@ -52,7 +60,19 @@ from torch import Tensor
 from ..kernels import engine_ops
 from .weights import FLOAT_TYPES, PackBuffer, _align
 
-__all__ = ["sort_by_expert", "grouped_mm", "Prefill", "PrefillStats", "Staging", "dense_rows", "prefill_bytes"]
+__all__ = ["sort_by_expert", "grouped_mm", "Prefill", "PrefillStats", "Staging", "dense_rows", "prefill_bytes",
+           "routed_share", "ROUTED_ONLY_BELOW"]
+
+# a one-micro-batch prompt whose expected routed share of a layer's experts is below this copies only its routed
+# experts (no copy ahead of the layer: at least a fifth fewer bytes for the lost overlap, which is small when a
+# short batch computes little)
+ROUTED_ONLY_BELOW = 0.8
+
+
+def routed_share(n_tok: int, n_used: int, n_expert: int) -> float:
+    """The expected share of a layer's experts that ``n_tok`` tokens route
+    to, each token to ``n_used`` of ``n_expert`` (routing taken as uniform)."""
+    return 1.0 - (1.0 - n_used / n_expert) ** n_tok
 
 
 def sort_by_expert(ids: Tensor, n_expert: int) -> tuple[Tensor, Tensor]:
@@ -145,6 +165,7 @@ class PrefillStats:
     copy_wait_seconds: float = 0.0        # the compute stream waiting for a layer's copy (CUDA only)
     scratch_bytes: int = 0                # one layer's experts decoded for the products
     lent_layers: list = field(default_factory=list)
+    routed_only: bool = False             # only the routed uncached experts copied (a short one-batch prompt)
 
     def line(self) -> str:
         tps = self.tokens / self.seconds if self.seconds else 0.0
@@ -198,8 +219,14 @@ class Staging:
     def nbytes_lent(self) -> int:
         return 0 if self.own is not None else self.depth * self.size
 
-    def runs(self, l: int) -> list[tuple[int, int]]:
-        miss = np.flatnonzero(self.slot_of[l] < 0)
+    def runs(self, l: int, routed: "np.ndarray | None" = None) -> list[tuple[int, int]]:
+        """``routed`` (expert ids): only those of the uncached experts."""
+        uncached = self.slot_of[l] < 0
+        if routed is not None:
+            keep = np.zeros_like(uncached)
+            keep[routed] = True
+            uncached &= keep
+        miss = np.flatnonzero(uncached)
         out = []
         for e in miss.tolist():
             if out and out[-1][0] + out[-1][1] == e:
@@ -256,6 +283,7 @@ class Prefill:
         self.stats = PrefillStats()
         self.hidden = None
         self._packs = None           # memory-mapped experts: their pack buffers, made on first use
+        self.force_routed = None     # tests: True / False overrides routed_only's rule
 
     def close(self) -> None:
         for b in self._packs or ():
@@ -300,11 +328,11 @@ class Prefill:
         copy_ev: list = []
         waits: list = []
 
-        def issue_copy(g: int) -> None:
+        def issue_copy(g: int, routed: "np.ndarray | None" = None) -> None:
             il = g % a.n_layer
             dst = stg.ring(g % self.depth)
             eb = cache.layouts[il].expert_bytes
-            runs = stg.runs(il)
+            runs = stg.runs(il, routed)
             src, starts = self._sources(il, runs, g, copy_ev)
             ev = None
             with torch.cuda.stream(copy) if cuda else contextlib.nullcontext():
@@ -321,27 +349,34 @@ class Prefill:
         toks = [int(t) for t in tokens]
         chunks = [toks[i:i + self.ubatch] for i in range(0, len(toks), self.ubatch)]
         n_glob = len(chunks) * a.n_layer
-        for g in range(min(self.depth, n_glob)):
+        routed_only = self.routed_only(toks)
+        stats.routed_only = routed_only
+        for g in range(0 if routed_only else min(self.depth, n_glob)):
             issue_copy(g)
         layer_no = [0]                       # layers run so far over all micro-batches (g above)
 
         def moe(L, il: int, xn: Tensor, buf: "_Buffers") -> None:
             """Layer il's routed (and shared) experts of the micro-batch, once
-            the copy of its uncached experts has landed; the next copy issued."""
+            the copy of its uncached experts has landed; the next copy issued
+            (routed only: the router first, then the copy of the experts it
+            routes to that have no slot)."""
             g = layer_no[0]
+            if routed_only:
+                self._route(L.moe, il, xn, buf)
+                issue_copy(g, np.unique(buf.ids.cpu().numpy()))      # waits for the router (the host needs it)
             if cuda:
                 wait0 = torch.cuda.Event(enable_timing=True)
                 wait0.record(main)
                 main.wait_event(copy_ev[g])
                 waits.append((wait0, copy_ev[g]))
-            self._moe(L.moe, il, g % self.depth, xn, buf, stg, ops)
+            self._moe(L.moe, il, g % self.depth, xn, buf, stg, ops, routed=routed_only)
             if cuda:
                 ev = torch.cuda.Event()
                 ev.record(main)
                 done_ev.append(ev)
             else:
                 done_ev.append(None)
-            if g + self.depth < n_glob:
+            if g + self.depth < n_glob and not routed_only:
                 issue_copy(g + self.depth)
             layer_no[0] = g + 1
 
@@ -414,12 +449,28 @@ class Prefill:
             o += n * eb
         return torch.from_numpy(flat), starts
 
-    def _moe(self, m, il: int, j: int, xn: Tensor, buf: "_Buffers", stg: Staging, ops) -> None:
+    def routed_only(self, toks) -> bool:
+        """Whether a prompt of ``toks`` copies only its routed experts: one
+        micro-batch whose expected routed share is below
+        :data:`ROUTED_ONLY_BELOW` (``force_routed``, when set, decides instead)."""
+        force = getattr(self, "force_routed", None)
+        if force is not None:
+            return bool(force) and len(toks) <= self.ubatch
+        a = self.eng.net.args
+        return len(toks) <= self.ubatch and routed_share(len(toks), a.n_expert_used, a.n_expert) < ROUTED_ONLY_BELOW
+
+    def _route(self, m, il: int, xn: Tensor, buf: "_Buffers") -> None:
+        a = self.eng.net.args
+        self.eng.ops.route_topk(torch.matmul(xn, m.router.T), a.n_expert_used, a.expert_weights_scale,
+                                self.eng.cache.layer_map(il), buf.ids, buf.wts, buf.log, buf.hits)
+
+    def _moe(self, m, il: int, j: int, xn: Tensor, buf: "_Buffers", stg: Staging, ops, routed: bool = False) -> None:
+        """``routed``: the router has run (:meth:`_route`)."""
         a = self.eng.net.args
         k, lay, E = a.n_expert_used, m.layout, a.n_expert
         ids, w = buf.ids, buf.wts
-        ops.route_topk(torch.matmul(xn, m.router.T), k, a.expert_weights_scale, self.eng.cache.layer_map(il), ids, w,
-                       buf.log, buf.hits)
+        if not routed:
+            self._route(m, il, xn, buf)
         order, ends = sort_by_expert(ids, E)
         dt = self.dtype
         dev = xn.device
