@@ -158,6 +158,27 @@ __device__ __forceinline__ float iq4xs_sub(const char* row, int it, const float4
     return iq4xs_dot(iq4xs_load(row, it), it, xv);
 }
 
+// A warp's OPW outputs of one routed row (lane 0 writes them): silu(gate) * up from the (gate, up)
+// sums of gate+up, else the down sums scaled by the routing weight w.
+template <int GU, int OPW>
+__device__ __forceinline__ void store_outputs(const float (&acc)[GU ? 2 * OPW : OPW], float w, float* yr, int o0,
+                                              int n_out) {
+#pragma unroll
+    for (int j = 0; j < OPW; ++j) {
+        const int o = o0 + j;
+        if (o < n_out) {
+            float v;
+            if (GU) {
+                const float g = acc[2 * j], u = acc[2 * j + 1];
+                v = g / (1.0f + __expf(-g)) * u;
+            } else {
+                v = acc[j] * w;
+            }
+            yr[o] = v;
+        }
+    }
+}
+
 // The routed experts of one step (any number of tokens T, rows r = t * n_used + k), one matrix
 // product: with GU, silu(gate x) * up x of the gate rows and the up rows that follow them, else the
 // down product scaled by the routing weight. Expert e's bytes are in slot slot_of[e] of the slot
@@ -243,23 +264,7 @@ __device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, 
     }
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = warp_sum(acc[i]);
-    if (lane == 0) {
-        const float w = GU ? 1.0f : wts[r];
-#pragma unroll
-        for (int j = 0; j < OPW; ++j) {
-            const int o = o0 + j;
-            if (o < n_out) {
-                float v;
-                if (GU) {
-                    const float g = acc[2 * j], u = acc[2 * j + 1];
-                    v = g / (1.0f + __expf(-g)) * u;
-                } else {
-                    v = acc[j] * w;
-                }
-                y[(i64)r * stride_y + o] = v;
-            }
-        }
-    }
+    if (lane == 0) store_outputs<GU, OPW>(acc, GU ? 1.0f : wts[r], y + (i64)r * stride_y, o0, n_out);
 }
 
 #define EXPERTS(NAME, GU, OPW, PRE)                                                                                 \
@@ -392,26 +397,10 @@ __device__ __forceinline__ void iq4xs_union(const char* base, i64 host_delta, i6
             for (int i = 0; i < NR; ++i) acc[q][i] = warp_sum(acc[q][i]);
         if (lane == 0) {
 #pragma unroll
-            for (int q = 0; q < UT; ++q) {
-                if (q < ng) {
-                    const int row = rows[g + q];
-                    const float wt = GU ? 1.0f : wts[row];
-#pragma unroll
-                    for (int j = 0; j < OPW; ++j) {
-                        const int o = o0 + j;
-                        if (o < n_out) {
-                            float v;
-                            if (GU) {
-                                const float gt = acc[q][2 * j], u = acc[q][2 * j + 1];
-                                v = gt / (1.0f + __expf(-gt)) * u;
-                            } else {
-                                v = acc[q][j] * wt;
-                            }
-                            y[(i64)row * stride_y + o] = v;
-                        }
-                    }
-                }
-            }
+            for (int q = 0; q < UT; ++q)
+                if (q < ng)
+                    store_outputs<GU, OPW>(acc[q], GU ? 1.0f : wts[rows[g + q]], y + (i64)rows[g + q] * stride_y, o0,
+                                           n_out);
         }
     }
 }
