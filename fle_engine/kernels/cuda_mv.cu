@@ -54,6 +54,15 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // eight IQ4 values of one word (byte j: value j in its low nibble, value j + 16 in its high one)
 // dotted with the activations: lo[0..3] for the low nibbles of bytes 0..3, hi[0..3] for the high ones
+// every sum of a [A][B] array of per-lane partial sums, warp-reduced in place
+template <int A, int B>
+__device__ __forceinline__ void warp_sum_all(float (&acc)[A][B]) {
+#pragma unroll
+    for (int a = 0; a < A; ++a)
+#pragma unroll
+        for (int b = 0; b < B; ++b) acc[a][b] = warp_sum(acc[a][b]);
+}
+
 __device__ __forceinline__ float iq4_dot(u32 q, const float4 lo, const float4 hi) {
     const float bias = __int_as_float(0x4B000080);
     u32 lh = ((q & 0x88888888u) >> 1) | 0x32103210u;
@@ -391,10 +400,7 @@ __device__ __forceinline__ void iq4xs_union(const char* base, i64 host_delta, i6
                 }
             }
         }
-#pragma unroll
-        for (int q = 0; q < UT; ++q)
-#pragma unroll
-            for (int i = 0; i < NR; ++i) acc[q][i] = warp_sum(acc[q][i]);
+        warp_sum_all(acc);
         if (lane == 0) {
 #pragma unroll
             for (int q = 0; q < UT; ++q)
@@ -580,10 +586,7 @@ __device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y,
             q8_0_rows<OPW, T>(acc, v, x, stride_x, b, o0, n_out);
         }
     }
-#pragma unroll
-    for (int t = 0; t < T; ++t)
-#pragma unroll
-        for (int i = 0; i < OPW; ++i) acc[t][i] = warp_sum(acc[t][i]);
+    warp_sum_all(acc);
     if (lane == 0) {
 #pragma unroll
         for (int t = 0; t < T; ++t)
