@@ -386,8 +386,24 @@ def fle_prefill(model: Path, budget: "int | str", prompts: list[int], ubatches: 
                         "stream_gbps": last.bytes_copied / last.seconds / 1e9,
                         "copy_wait_ms": last.copy_wait_seconds * 1e3, "lent_layers": len(last.lent_layers)})
             print(f"  FLE prefill {n} tokens, -ub {ub}: {n / sec:.0f} tok/s ({last.ubatches} micro-batches, "
-                  f"{last.bytes_copied / 1e9:.2f} GB streamed, compute waiting for copies "
-                  f"{last.copy_wait_seconds * 1e3:.0f} of {last.seconds * 1e3:.0f} ms)", flush=True)
+                  f"{last.bytes_copied / 1e9:.2f} GB streamed{', routed experts only' if last.routed_only else ''}, "
+                  f"compute waiting for copies {last.copy_wait_seconds * 1e3:.0f} of {last.seconds * 1e3:.0f} ms)",
+                  flush=True)
+            if last.routed_only:          # the same prompts copying whole layers, and run as decode steps
+                eng.prefill.force_routed = False
+                whole = [eng.prefill.run(rng.integers(n_vocab, size=n).tolist(), 0) for _ in range(reps)]
+                eng.prefill.force_routed = None
+                out[-1]["tok_s_whole_layers"] = n / float(np.mean([r.seconds for r in whole]))
+                out[-1]["gb_whole_layers"] = whole[-1].bytes_copied / 1e9
+                keep_min, eng.prefill_min = eng.prefill_min, n + 1
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    eng.generate(rng.integers(n_vocab, size=n).tolist(), 1, cache_prompt=False)
+                out[-1]["tok_s_decode_steps"] = n * reps / (time.perf_counter() - t0)
+                eng.prefill_min = keep_min
+                print(f"  the same {n} tokens: {out[-1]['tok_s_whole_layers']:.0f} tok/s copying whole layers "
+                      f"({out[-1]['gb_whole_layers']:.2f} GB), {out[-1]['tok_s_decode_steps']:.0f} tok/s as decode "
+                      f"steps", flush=True)
     eng.close()
     del eng
     gc.collect()                # an engine left in reference cycles keeps its GPU tensors until collected
