@@ -511,8 +511,6 @@ def memory_check(model: Path, budget, n: int) -> dict:
     """GPU memory before and after ``n`` decoded tokens, and the host time per token."""
     import torch
 
-    import gc
-
     from fle_engine.runtime import Engine
 
     gc.collect()                 # nothing of an earlier engine in this process left in the figures

@@ -52,8 +52,6 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// eight IQ4 values of one word (byte j: value j in its low nibble, value j + 16 in its high one)
-// dotted with the activations: lo[0..3] for the low nibbles of bytes 0..3, hi[0..3] for the high ones
 // every sum of a [A][B] array of per-lane partial sums, warp-reduced in place
 template <int A, int B>
 __device__ __forceinline__ void warp_sum_all(float (&acc)[A][B]) {
@@ -63,6 +61,8 @@ __device__ __forceinline__ void warp_sum_all(float (&acc)[A][B]) {
         for (int b = 0; b < B; ++b) acc[a][b] = warp_sum(acc[a][b]);
 }
 
+// eight IQ4 values of one word (byte j: value j in its low nibble, value j + 16 in its high one)
+// dotted with the activations: lo[0..3] for the low nibbles of bytes 0..3, hi[0..3] for the high ones
 __device__ __forceinline__ float iq4_dot(u32 q, const float4 lo, const float4 hi) {
     const float bias = __int_as_float(0x4B000080);
     u32 lh = ((q & 0x88888888u) >> 1) | 0x32103210u;
@@ -313,8 +313,8 @@ EXPERTS_PRE(dn, 0, 8)
 template <int GU, int OPW>
 __device__ __forceinline__ void iq4xs_union(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,
                                             const int* slot_of, const i64* ids, const float* wts, const float* x,
-                                            float* y, int n_out, int n_sub, i64 row_bytes, int n_used, int n_rows,
-                                            int stride_x, int stride_y, int cpu_share, i64 x_miss_delta) {
+                                            float* y, int n_out, int n_sub, i64 row_bytes, int n_used,
+                                            int stride_x, int stride_y, int cpu_share, i64 x_miss_delta, int n_rows) {
     grid_wait();
     grid_release();
     const int lane = threadIdx.x & 31;
@@ -414,10 +414,10 @@ __device__ __forceinline__ void iq4xs_union(const char* base, i64 host_delta, i6
 #define UNION(NAME, GU, OPW)                                                                                        \
     extern "C" __global__ void NAME(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,            \
                                     const int* slot_of, const i64* ids, const float* wts, const float* x, float* y, \
-                                    int n_out, int n_sub, i64 row_bytes, int n_used, int n_rows, int stride_x,     \
-                                    int stride_y, int cpu_share, i64 x_miss_delta) {                               \
+                                    int n_out, int n_sub, i64 row_bytes, int n_used, int stride_x, int stride_y,   \
+                                    int cpu_share, i64 x_miss_delta, int n_rows) {                                 \
         iq4xs_union<GU, OPW>(base, host_delta, part_bytes, expert_bytes, slot_of, ids, wts, x, y, n_out, n_sub,    \
-                             row_bytes, n_used, n_rows, stride_x, stride_y, cpu_share, x_miss_delta);              \
+                             row_bytes, n_used, stride_x, stride_y, cpu_share, x_miss_delta, n_rows);              \
     }
 
 #ifndef FLE_ONLY_FFN

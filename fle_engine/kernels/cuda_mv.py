@@ -330,29 +330,40 @@ def _expert_config(gate_up: bool, mode: str) -> tuple[int, int, int]:
     return rows, warps, pre
 
 
-def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
-            n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
-            gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
-            cpu_share: int = 0, x_miss: "Tensor | None" = None) -> Tensor:
-    """:func:`triton_engine.experts` (same arguments and result) for IQ4_XS
-    experts in the CUDA C kernel; callers check :func:`experts_supported`."""
+def _experts_launch(kernel: str, words: Tensor, host_delta: int, part_words: int, expert_words: int, n_out: int,
+                    row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor, gate_up: bool, n_used: int,
+                    weights: "Tensor | None", mode: str, cpu_share: int, x_miss: "Tensor | None",
+                    extra: tuple = ()) -> Tensor:
+    """One launch of an experts kernel (``kernel``: its name's stem, the rows per warp and
+    loads-first appended as the source names its variants; ``extra``: arguments after the
+    common ones), a block per output-row tile of each routed row."""
     word = words.element_size()
     rows, warps, pre = _expert_config(gate_up, mode)
     if rows not in (_GU_ROWS if gate_up else _DN_ROWS):
         raise FleError(f"FLE_CUDA_MV_CONFIG: no {'gate+up' if gate_up else 'down'} kernel with {rows} rows per "
                        f"warp (there are {_GU_ROWS if gate_up else _DN_ROWS})")
-    kind = "gu" if gate_up else "dn"
     n_sub = row_bytes // _IQ4_SUPER * 8
-    pre = _pre_kernel(pre, (n_sub + 31) // 32, _EXPERT_PRE)
+    name = kernel.format(kind="gu" if gate_up else "dn", rows=rows,
+                         pre=_pre_kernel(pre, (n_sub + 31) // 32, _EXPERT_PRE))
     x_delta = 0 if x_miss is None else (x_miss.data_ptr() - x.data_ptr()) // 4
     grid = ((n_out + rows * warps - 1) // (rows * warps), ids.shape[0])
     args = [_p(words), ctypes.c_longlong(host_delta * word), ctypes.c_longlong(part_words * word),
             ctypes.c_longlong(expert_words * word), _p(slot_of), _p(ids), _p(out if weights is None else weights),
             _p(x), _p(out), ctypes.c_int(n_out), ctypes.c_int(n_sub), ctypes.c_longlong(row_bytes),
             ctypes.c_int(n_used), ctypes.c_int(x.stride(0)), ctypes.c_int(out.stride(0)), ctypes.c_int(int(cpu_share)),
-            ctypes.c_longlong(x_delta)]
-    _module().launch(f"iq4xs_{kind}_{rows}_p{pre}", grid, 32 * warps, args)
+            ctypes.c_longlong(x_delta), *extra]
+    _module().launch(name, grid, 32 * warps, args)
     return out
+
+
+def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, expert_words: int,
+            n_out: int, row_bytes: int, slot_of: Tensor, ids: Tensor, x: Tensor, out: Tensor,
+            gate_up: bool, n_used: int, weights: "Tensor | None" = None, mode: str = "miss",
+            cpu_share: int = 0, x_miss: "Tensor | None" = None) -> Tensor:
+    """:func:`triton_engine.experts` (same arguments and result) for IQ4_XS
+    experts in the CUDA C kernel; callers check :func:`experts_supported`."""
+    return _experts_launch("iq4xs_{kind}_{rows}_p{pre}", words, host_delta, part_words, expert_words, n_out,
+                           row_bytes, slot_of, ids, x, out, gate_up, n_used, weights, mode, cpu_share, x_miss)
 
 
 def union_on() -> bool:
@@ -380,22 +391,10 @@ def experts_union(words: Tensor, qtype: GGMLType, host_delta: int, part_words: i
     experts in the CUDA C kernel; callers check :func:`union_supported`."""
     if reads is not None:
         raise FleError("internal: the CUDA C union kernel keeps no read log (union_supported refuses it)")
-    word = words.element_size()
-    rows, warps, _pre = _expert_config(gate_up, "miss")
-    if rows not in (_GU_ROWS if gate_up else _DN_ROWS):
-        raise FleError(f"FLE_CUDA_MV_CONFIG: no {'gate+up' if gate_up else 'down'} kernel with {rows} rows per "
-                       f"warp (there are {_GU_ROWS if gate_up else _DN_ROWS})")
-    n_rows = ids.shape[0]
-    n_sub = row_bytes // _IQ4_SUPER * 8
-    x_delta = 0 if x_miss is None else (x_miss.data_ptr() - x.data_ptr()) // 4
-    grid = ((n_out + rows * warps - 1) // (rows * warps), n_rows)
-    args = [_p(words), ctypes.c_longlong(host_delta * word), ctypes.c_longlong(part_words * word),
-            ctypes.c_longlong(expert_words * word), _p(slot_of), _p(ids), _p(out if weights is None else weights),
-            _p(x), _p(out), ctypes.c_int(n_out), ctypes.c_int(n_sub), ctypes.c_longlong(row_bytes),
-            ctypes.c_int(n_used), ctypes.c_int(n_rows), ctypes.c_int(x.stride(0)), ctypes.c_int(out.stride(0)),
-            ctypes.c_int(int(cpu_share)), ctypes.c_longlong(x_delta)]
-    _module().launch(f"iq4xs_u{'gu' if gate_up else 'dn'}_{rows}", grid, 32 * warps, args)
-    return out
+    # the miss mode's launch shapes, without loads-first (the kernel has none)
+    return _experts_launch("iq4xs_u{kind}_{rows}", words, host_delta, part_words, expert_words, n_out, row_bytes,
+                           slot_of, ids, x, out, gate_up, n_used, weights, "miss", cpu_share, x_miss,
+                           (ctypes.c_int(ids.shape[0]),))
 
 
 def ffn_config(mode: str = "miss") -> "tuple[int, int, int, int] | None":

@@ -453,11 +453,12 @@ class Prefill:
         """Whether a prompt of ``toks`` copies only its routed experts: one
         micro-batch whose expected routed share is below
         :data:`ROUTED_ONLY_BELOW` (``force_routed``, when set, decides instead)."""
-        force = getattr(self, "force_routed", None)
-        if force is not None:
-            return bool(force) and len(toks) <= self.ubatch
+        if len(toks) > self.ubatch:
+            return False
+        if self.force_routed is not None:
+            return bool(self.force_routed)
         a = self.eng.net.args
-        return len(toks) <= self.ubatch and routed_share(len(toks), a.n_expert_used, a.n_expert) < ROUTED_ONLY_BELOW
+        return routed_share(len(toks), a.n_expert_used, a.n_expert) < ROUTED_ONLY_BELOW
 
     def _route(self, m, il: int, xn: Tensor, buf: "_Buffers") -> None:
         a = self.eng.net.args

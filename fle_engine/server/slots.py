@@ -215,8 +215,8 @@ class Engine:
         if n_ctx < 2 * n_parallel:
             raise FleError(f"the context size must be at least 2 tokens per slot, got {n_ctx} for {n_parallel} "
                            "slots")
-        on_runtime = bool(getattr(model, "runtime", False))
-        if mtp and (getattr(model, "drafter", None) if on_runtime else getattr(model.net, "mtp", None)) is None:
+        self.runtime = bool(getattr(model, "runtime", False))
+        if mtp and (getattr(model, "drafter", None) if self.runtime else getattr(model.net, "mtp", None)) is None:
             raise FleError(f"{model.path}: no MTP head loaded; --mtp needs a model file with the MTP block "
                            "inside, or --mtp-head FILE")
         if n_draft < 1:
@@ -229,11 +229,10 @@ class Engine:
         # MTP drafting from a token list (draft_vocab.DraftVocab), and one adaptive draft count for all requests
         # (acceptance and verify costs learnt across them; every request's steps run on the worker thread)
         self.draft_vocab = draft_vocab
-        self.draft_policy = (AdaptiveDraft(n_draft, resettle=not on_runtime)    # the engine restores, no re-run
+        self.draft_policy = (AdaptiveDraft(n_draft, resettle=not self.runtime)    # the engine restores, no re-run
                              if draft_adaptive and mtp else None)
         self.n_parallel = n_parallel
         self.created = int(time.time())
-        self.runtime = bool(getattr(model, "runtime", False))
         # the GPU engine with a lane per slot (runtime.Engine(n_seq=N)): the slots run at once, one batched
         # decode step per round
         self.lanes = self.runtime and not mtp and int(getattr(model, "n_seq", 1)) > 1
@@ -617,17 +616,15 @@ class Engine:
             return
         if not self.stepped:
             stop = () if job.ignore_eos else eog
-            if self.mtp and self.runtime:   # the engine's loop: drafts checked in its verify steps
+            if self.mtp:
                 task.spec = SpecStats()
-                task.gen = self.model.speculative(job.prompt, job.n_predict, stop, n_draft=self.n_draft,
-                                                  sampler=None if job.params.temp <= 0 else task.sampler,
-                                                  stats=task.spec, vocab=self.draft_vocab,
-                                                  adaptive=self.draft_policy)
-            elif self.mtp:
-                task.spec = SpecStats()
-                task.gen = generate_speculative(self.model, job.prompt, job.n_predict, task.sampler, stop=stop,
-                                                n_draft=self.n_draft, stats=task.spec, vocab=self.draft_vocab,
-                                                adaptive=self.draft_policy)
+                spec = dict(n_draft=self.n_draft, stats=task.spec, vocab=self.draft_vocab, adaptive=self.draft_policy)
+                if self.runtime:            # the engine's loop: drafts checked in its verify steps
+                    task.gen = self.model.speculative(job.prompt, job.n_predict, stop,
+                                                      sampler=None if job.params.temp <= 0 else task.sampler, **spec)
+                else:
+                    task.gen = generate_speculative(self.model, job.prompt, job.n_predict, task.sampler, stop=stop,
+                                                    **spec)
             else:
                 # the GPU engine keeps what its sequence shares with the last one
                 keep = {"cache_prompt": job.cache_prompt} if self.runtime else {}
