@@ -26,7 +26,8 @@
 #            (bench/engine.py --checks)
 #   union    the CUDA C union kernel of T-row steps (FLE_CUDA_MV_UNION=1): its tests against the references, the
 #            engine's verify-step, MTP and slots tests with it, then the verify step's T(n) at the calibrated skew
-#            with Triton's union kernel (0) and with it (1), misses on the GPU (bench/verify_step.py)
+#            with Triton's union kernel, with the CUDA C one, and with it and the T-row Q8_0 dense kernels
+#            (FLE_CUDA_MV_DENSE_T=4, its kernels profiled), misses on the GPU (bench/verify_step.py)
 #   misses   the cost of a missed expert in a layer's launches against a kernel that only reads it
 #            (bench/engine_kernels.py --misses): this machine's zero-copy speed, which differs between machines
 # One stage's failure is logged and the next one runs; the exit status is the number of stages that failed.
@@ -104,11 +105,16 @@ for s in $STAGES; do
         checks) stage checks python3 bench/engine.py --skip-upstream --routing calibrated -n 32 -r 1 --no-all-gpu \
                     --miss-split auto --checks --memory-tokens 10000 --json "$OUT/checks.json" ;;
         union) FLE_CUDA_MV_UNION=1 stage union-kernel python3 -m pytest -q -n 6 tests/test_cuda_mv.py -k union
-               FLE_CUDA_MV_UNION=1 stage union-engine python3 -m pytest -q -n 8 tests/test_verify_step.py \
+               FLE_CUDA_MV_UNION=1 FLE_CUDA_MV_DENSE_T=4 stage union-engine python3 -m pytest -q -n 8 tests/test_verify_step.py \
                    tests/test_engine_mtp.py tests/test_engine_slots.py
-               for u in 0 1; do
-                   FLE_CUDA_MV_UNION=$u stage "union-verify-$u" python3 bench/verify_step.py --routing calibrated \
-                       --warmup 256 --reps 30 --miss-split gpu --json "$OUT/verify-union-$u.json"
+               # UNION:DENSE_T: Triton's union kernel, the CUDA C one, and with it the T-row Q8_0 dense kernels
+               # (FLE_CUDA_MV_DENSE_T=4); the last with the step's kernels profiled at n = 0 and 2
+               for v in 0:1 1:1 1:4; do
+                   u=${v%:*} t=${v#*:} prof=""
+                   [ "$v" = 1:4 ] && prof="--profile 0,2"
+                   FLE_CUDA_MV_UNION=$u FLE_CUDA_MV_DENSE_T=$t stage "union-verify-$u-$t" python3 bench/verify_step.py \
+                       --routing calibrated --warmup 256 --reps 30 --miss-split gpu $prof \
+                       --json "$OUT/verify-union-$u-dense-$t.json"
                done ;;
         misses) stage misses python3 bench/engine_kernels.py --misses --json "$OUT/misses.json" ;;
         *) echo "unknown stage $s (build, tests, slots, prefill, decode, kernels, checks, union, misses)"; failed=$((failed + 1)) ;;
