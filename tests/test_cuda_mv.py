@@ -334,12 +334,18 @@ def test_dense_several_rows_against_reference(n_tok, rows, warps, n_out, n_in, p
     _dense_case(n_out, n_in, n_tok, pad)
 
 
-def test_several_rows_left_to_triton_by_default():
-    """Until a GPU run times them, products of more than one activation row stay Triton's."""
-    w = torch.zeros(4, 68, dtype=torch.uint8, device="cuda" if CUDA else "cpu")
-    x = torch.zeros(2, 64, device=w.device)
-    assert cuda_mv.DENSE_T_MAX == 1
-    assert not cuda_mv.dense_supported(w, GGMLType.Q8_0, x, torch.zeros(2, 4, device=w.device))
+def test_several_rows_up_to_the_measured_limit(monkeypatch):
+    """Products of up to DENSE_T_MAX activation rows take the CUDA C kernel (measured faster than
+    Triton's for 2..4 rows), more rows Triton's; FLE_CUDA_MV_DENSE_T=1 leaves every T > 1 to Triton."""
+    dev = "cuda" if CUDA else "cpu"
+    w = torch.zeros(4, 68, dtype=torch.uint8, device=dev)
+    assert cuda_mv.DENSE_T_MAX == 4
+    for t in (2, 4, 5):
+        x, out = torch.zeros(t, 64, device=dev), torch.zeros(t, 4, device=dev)
+        assert cuda_mv.dense_supported(w, GGMLType.Q8_0, x, out) == (CUDA and t <= 4)
+    monkeypatch.setenv("FLE_CUDA_MV_DENSE_T", "1")
+    x, out = torch.zeros(2, 64, device=dev), torch.zeros(2, 4, device=dev)
+    assert not cuda_mv.dense_supported(w, GGMLType.Q8_0, x, out)
 
 
 @gpu

@@ -2,8 +2,9 @@
 two heaviest kinds of launch: the routed IQ4_XS experts (from their cache
 slots or over PCIe from page-locked host memory, as
 :func:`triton_engine.experts`) and Q8_0 dense matrices. The T-row step's experts
-(each distinct expert read once for all its rows) have a CUDA C kernel too,
-off until measured (:data:`UNION_DEFAULT`, ``FLE_CUDA_MV_UNION=1``). Triton's versions
+(each distinct expert read once for all its rows) have a CUDA C kernel too
+(:data:`UNION_DEFAULT`, ``FLE_CUDA_MV_UNION=0`` for Triton's), and the Q8_0 dense products of 2..4
+activation rows (:data:`DENSE_T_MAX`). Triton's versions
 of all of them stay the fast side's fallback for every other case (other types,
 T > 1 dense rows past :data:`DENSE_T_MAX`, unaligned buffers) and the form the tests run without a GPU; the
 references in :mod:`engine_ops` stay the slow, obvious twins.
@@ -83,10 +84,11 @@ DENSE_CONFIG = ((2, 2, 0), (4, 2, 0))
 DENSE_LARGE = 32768
 _DENSE_ROWS = (1, 2, 4)
 _DENSE_PRE = (0, 1, 2, 4)
-# activation rows a dense product takes in one launch (the verify step's 2..4 tokens, batched lanes):
-# kernels for up to 4 exist; 1 (more rows go to Triton's kernel) until a GPU run has timed them
-# (bench/engine_kernels.py --cuda); FLE_CUDA_MV_DENSE_T=N for measurements
-DENSE_T_MAX = 1
+# activation rows a dense product takes in one launch (the verify step's 2..4 tokens, batched lanes); more
+# rows go to Triton's kernel. On an H100 (2026-12-07 15:10, docs/benchmarks.md) 2..4 rows took 14.8 / 20.7 /
+# 26.0 us for qkv (Triton 15.0 / 25.1 / 25.7) and 14.5 / 19.4 / 23.2 us for wo (Triton 22.4 / 21.9 / 23.2), and
+# the verify step of 3 tokens 11.20 ms against 11.80 with Triton's; FLE_CUDA_MV_DENSE_T=1 for Triton's
+DENSE_T_MAX = 4
 _DENSE_T = (1, 2, 3, 4)
 # FLE_PDL when unset: off. On an H100 (2026-12-07, docs/benchmarks.md) it took 3.4 us off a cached layer's
 # CUDA C experts with loads-first, but the captured decode step ran slower with it (294.6 against 304.5 tok/s
@@ -95,10 +97,12 @@ PDL_DEFAULT = "0"
 
 # FLE_CUDA_MV_UNION when unset: the T-row step's experts (verify steps, batched lanes), each distinct expert
 # read once for its rows, in CUDA C (cuda_mv.cu's iq4xs_union) instead of Triton's union kernel, whose
-# launches took 3.87x the one-token step's at T = 3 on an H200 (2026-12-04) while the bytes grew 2.9x. Off
-# until a GPU run has checked and timed it (tests/test_cuda_mv.py, bench/verify_step.py); it takes the
-# miss mode's launch shapes (EXPERT_CONFIG) without loads-first.
-UNION_DEFAULT = "0"
+# launches took 3.87x the one-token step's at T = 3 on an H200 (2026-12-04) while the bytes grew 2.9x. On an
+# H100 (2026-12-07 15:10, docs/benchmarks.md) the verify step of 3 tokens took 11.80 ms with it against
+# 15.86 with Triton's (T(0) 4.9-5.0 ms), its gate+up launch 2.74x and down 3.09x the one-token launch's
+# time for 3.1x the missed bytes; it takes the miss mode's launch shapes (EXPERT_CONFIG) without
+# loads-first. FLE_CUDA_MV_UNION=0 for Triton's.
+UNION_DEFAULT = "1"
 _UNION_MAX = 16           # rows per expert the kernel takes (cuda_mv.cu's UMAX): tokens in one step
 
 _IQ4_SUPER = 136          # bytes of an IQ4_XS super-block (256 values)
