@@ -389,21 +389,29 @@ def fle_prefill(model: Path, budget: "int | str", prompts: list[int], ubatches: 
                   f"{last.bytes_copied / 1e9:.2f} GB streamed{', routed experts only' if last.routed_only else ''}, "
                   f"compute waiting for copies {last.copy_wait_seconds * 1e3:.0f} of {last.seconds * 1e3:.0f} ms)",
                   flush=True)
-            if last.routed_only:          # the same prompts copying whole layers, and run as decode steps
+            if last.routed_only:          # the same prompts copying whole layers
                 eng.prefill.force_routed = False
                 whole = [eng.prefill.run(rng.integers(n_vocab, size=n).tolist(), 0) for _ in range(reps)]
                 eng.prefill.force_routed = None
                 out[-1]["tok_s_whole_layers"] = n / float(np.mean([r.seconds for r in whole]))
                 out[-1]["gb_whole_layers"] = whole[-1].bytes_copied / 1e9
-                keep_min, eng.prefill_min = eng.prefill_min, n + 1
-                t0 = time.perf_counter()
-                for _ in range(reps):
+            if last.routed_only or n < eng.prefill_min:
+                # as decode steps: one token per step, and --prompt-rows tokens per T-row step (its graphs
+                # captured by a first, untimed prompt)
+                keep_min, keep_rows, eng.prefill_min = eng.prefill_min, eng.prompt_rows, n + 1
+                for key, rows in (("tok_s_decode_steps", 1), ("tok_s_row_steps", keep_rows)):
+                    eng.prompt_rows = rows
                     eng.generate(rng.integers(n_vocab, size=n).tolist(), 1, cache_prompt=False)
-                out[-1]["tok_s_decode_steps"] = n * reps / (time.perf_counter() - t0)
-                eng.prefill_min = keep_min
-                print(f"  the same {n} tokens: {out[-1]['tok_s_whole_layers']:.0f} tok/s copying whole layers "
-                      f"({out[-1]['gb_whole_layers']:.2f} GB), {out[-1]['tok_s_decode_steps']:.0f} tok/s as decode "
-                      f"steps", flush=True)
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        eng.generate(rng.integers(n_vocab, size=n).tolist(), 1, cache_prompt=False)
+                    out[-1][key] = n * reps / (time.perf_counter() - t0)
+                eng.prefill_min, eng.prompt_rows = keep_min, keep_rows
+                o = out[-1]
+                whole = (f"{o['tok_s_whole_layers']:.0f} tok/s copying whole layers ({o['gb_whole_layers']:.2f} GB), "
+                         if "tok_s_whole_layers" in o else "")
+                print(f"  the same {n} tokens: {whole}{o['tok_s_decode_steps']:.0f} tok/s as decode steps, "
+                      f"{o['tok_s_row_steps']:.0f} tok/s {keep_rows} tokens per step", flush=True)
     eng.close()
     del eng
     gc.collect()                # an engine left in reference cycles keeps its GPU tensors until collected

@@ -67,6 +67,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                         f"micro-batches stream less per token; 1 to {UBATCH_MAX}; 0: prompts run as decode steps)")
     p.add_argument("--prefill-min", type=int, default=32, metavar="N",
                    help="engine: shorter prompts run as decode steps (at least 1; default 32)")
+    p.add_argument("--prompt-rows", type=int, default=4, metavar="N",
+                   help="engine: a prompt that is not prefilled (shorter than --prefill-min, or a chat turn's new "
+                        "tokens) runs N of its tokens per step, each distinct expert read once for them (1 to 4; "
+                        "default 4, by measurement; 1: one token per step)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--mtp", action="store_true",
                    help="speculative decoding with the model's MTP head (inside the model file, or --mtp-head): "
@@ -162,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def check_run_options(args) -> None:
-    """The engine's sizes (--ubatch, --prefill-min, --cache-budget), checked
+    """The engine's sizes (--ubatch, --prefill-min, --prompt-rows, --cache-budget), checked
     before any file is read, whether or not the engine runs: a bad value is
     refused, never silently left unused. The budget is parsed by the
     engine's own parser."""
@@ -173,6 +177,8 @@ def check_run_options(args) -> None:
                        f"as decode steps")
     if args.prefill_min < 1:
         raise FleError(f"--prefill-min {args.prefill_min}: give the shortest prompt to prefill, at least 1 token")
+    if not 1 <= args.prompt_rows <= 4:
+        raise FleError(f"--prompt-rows {args.prompt_rows}: give 1 to 4 prompt tokens per step")
     parse_budget(args.cache_budget)             # a FleError naming the option for anything that is no size
 
 
@@ -387,6 +393,7 @@ def _generate_engine(args, tok, prompt, sampler, vocab=None) -> int:
                 cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                 profile_path=args.cache_profile, miss_split=args.miss_split, cpu_impl=args.cpu_kernels,
                 miss_activations=args.miss_activations, ubatch=args.ubatch, prefill_min=args.prefill_min, mtp=mtp,
+                prompt_rows=args.prompt_rows,
                 miss_prefetch=args.miss_prefetch, mtp_drafter=args.mtp_drafter,
                 host_experts=args.host_experts) as eng:
         n_predict = min(args.n_predict, eng.ctx_size - len(prompt))
@@ -438,7 +445,8 @@ def _serve(args) -> int:
         runtime = dict(cache_budget=args.cache_budget, cache_type_k=args.cache_type_k,
                        cache_type_v=args.cache_type_v, profile_path=args.cache_profile,
                        miss_split=args.miss_split, cpu_impl=args.cpu_kernels, ubatch=args.ubatch,
-                       prefill_min=args.prefill_min, miss_activations=args.miss_activations,
+                       prefill_min=args.prefill_min, prompt_rows=args.prompt_rows,
+                       miss_activations=args.miss_activations,
                        miss_prefetch=args.miss_prefetch, host_experts=args.host_experts)
         if mtp:        # the head on the engine too (one sequence: the slots take turns)
             runtime.update(mtp=_engine_mtp(args), mtp_drafter=args.mtp_drafter)

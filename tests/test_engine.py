@@ -92,6 +92,9 @@ def _reference_greedy(path, prompt, n):
 def _engine(path, budget, tmp_path, profile="none", kv="f32", **kw):
     kw.setdefault("ctx_size", N_TOKENS + 16)
     kw.setdefault("log", lambda m: None)
+    # one token per step for the prompt too: these tests hold the decode step (its policy lag, per-step logits,
+    # hooks and counts) to the reference; prompts in T-row steps are tests/test_verify_step.py's (-k short_prompt)
+    kw.setdefault("prompt_rows", 1)
     return Engine(path, device=DEVICE, cache_budget=budget, cache_type_k=kv, cache_type_v=kv, profile_path=profile,
                   progress=False, **kw)
 

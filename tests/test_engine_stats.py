@@ -58,7 +58,8 @@ def _engine(path, **kw):
     two = 2 * sum(l.expert_bytes for l in probe.net.layouts.values())       # two slots per layer: some misses
     probe.close()
     return Engine(path, device=DEVICE, cache_budget=two, ctx_size=kw.pop("ctx", 64), cache_type_k="f32",
-                  cache_type_v="f32", profile_path="none", progress=False, log=lambda m: None, prefill_min=8, **kw)
+                  cache_type_v="f32", profile_path="none", progress=False, log=lambda m: None, prefill_min=8,
+                  prompt_rows=kw.pop("prompt_rows", 1), **kw)      # short prompts one token per step: counted so
 
 
 class _Log:

@@ -221,7 +221,7 @@ def test_cli_errors(model_path, tmp_path, capsys):
 
 
 def test_cli_engine_sizes_refused(tmp_path, capsys):
-    """--ubatch, --prefill-min and --cache-budget out of range or unparsable:
+    """--ubatch, --prefill-min, --prompt-rows and --cache-budget out of range or unparsable:
     one line naming the option, exit status 2, checked before the model is
     read (the missing file is never reached), for generate and serve alike
     and whether or not the engine would run. In-range values pass the
@@ -230,6 +230,7 @@ def test_cli_engine_sizes_refused(tmp_path, capsys):
     commands = (["generate", missing, "-p", "x"], ["serve", missing, "--port", "0"])
     bad = [(["-ub", "-1"], "--ubatch -1: give 1 to 8192"), (["--ubatch", "8193"], "--ubatch 8193: give 1 to 8192"),
            (["--prefill-min", "0"], "--prefill-min 0: "), (["--prefill-min", "-4"], "--prefill-min -4: "),
+           (["--prompt-rows", "0"], "--prompt-rows 0: give 1 to 4"), (["--prompt-rows", "5"], "--prompt-rows 5: "),
            (["--cache-budget", "lots"], "--cache-budget 'lots': expected 'auto' or a size"),
            (["--cache-budget=-3G"], "--cache-budget '-3G': expected"),
            (["--cache-budget", "nan"], "--cache-budget 'nan': expected"),
@@ -239,7 +240,7 @@ def test_cli_engine_sizes_refused(tmp_path, capsys):
             assert engine_main(cmd + extra) == 2, extra
             err = capsys.readouterr().err
             assert err.startswith(f"fle-engine: error: {says}") and len(err.strip().splitlines()) == 1, err
-    for extra in (["-ub", "0"], ["-ub", "8192"], ["--prefill-min", "1"], ["--cache-budget", "17GiB"],
+    for extra in (["-ub", "0"], ["-ub", "8192"], ["--prefill-min", "1"], ["--prompt-rows", "1"], ["--cache-budget", "17GiB"],
                   ["--cache-budget", "0"], ["--cache-budget", "auto"]):
         for cmd in commands:
             assert engine_main(cmd + extra) == 2

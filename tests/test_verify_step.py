@@ -362,6 +362,59 @@ def _one_expert_per_layer(path) -> int:
     return n * probe.args.n_layer
 
 
+LONG = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
+
+
+@pytest.mark.parametrize("rows,n_steps,n_turn", [(2, 5, 2), (3, 3, 1), (4, 3, 1)])
+def test_short_prompt_in_row_steps_equals_one_token_steps(arch_file, rows, n_steps, n_turn):
+    """A prompt that is not prefilled runs its tokens but the last ``rows``
+    at a time in the verify step's pass (11 tokens: the first 10 in steps of
+    2+2+2+2+2, 3+3+3 (the tenth alone), 4+4+2): the same greedy tokens and
+    logits after the prompt as one token per step, the history that a
+    follow-up turn reuses, and that turn's answer (its 5 new tokens: the
+    first 4 in steps of 2+2, 3 (then one alone), 4)."""
+    budget = 2 * _one_expert_per_layer(arch_file)
+    got = _engine(arch_file, budget, prompt_rows=rows)
+    one = _engine(arch_file, budget, prompt_rows=1)
+    out = {}
+    for name, eng in (("rows", got), ("one", one)):
+        first = eng.generate(LONG, 1)
+        logits = eng.state.bufs.logits[0].float().cpu().clone()
+        steps = eng.stats.multi_steps
+        rest = eng.generate(LONG + first, 6)
+        assert eng.cached_tokens == len(LONG)             # the prompt's tokens kept for the turn after
+        follow = LONG + first + rest[:-1] + [7, 8, 9, 10, 11]
+        turn = eng.generate(follow, 4)
+        out[name] = first + rest, logits, steps, turn, eng.stats.multi_steps - steps, eng.history[:len(follow)]
+        eng.close()
+    assert out["rows"][0] == out["one"][0]
+    _close(out["rows"][1], out["one"][1])
+    assert (out["rows"][2], out["one"][2]) == (n_steps, 0)
+    assert out["rows"][3] == out["one"][3]
+    assert (out["rows"][4], out["one"][4]) == (n_turn, 0)
+    assert out["rows"][5] == out["one"][5]
+
+
+def test_short_prompt_rows_with_a_sampler(model_file):
+    """Sampling reads the logits of the prompt's last token, run as a one-token step after the T-row
+    steps: the same draws as one token per step."""
+    from fle_engine.sampling import Sampler, SamplerParams
+
+    draws = []
+    for rows in (4, 1):
+        eng = _engine(model_file, prompt_rows=rows)
+        draws.append(eng.generate(LONG, 8, sampler=Sampler(SamplerParams(temp=1.0, seed=11))))
+        assert (eng.stats.multi_steps > 0) == (rows > 1)
+        eng.close()
+    assert draws[0] == draws[1]
+
+
+@pytest.mark.parametrize("rows", [0, 5])
+def test_prompt_rows_is_checked(model_file, rows):
+    with pytest.raises(FleError, match="prompt_rows"):
+        _engine(model_file, prompt_rows=rows)
+
+
 def test_step_cost_counts_each_missed_expert_once(model_file):
     """With no slots every routed expert misses: one token's step reads each
     of its experts once (union = sum), a 4-token step each distinct expert

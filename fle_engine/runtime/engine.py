@@ -69,6 +69,12 @@ PROFILE_EVERY_S = 600.0
 # decode steps: a micro-batch streams every uncached expert once (~10 GB for the 30B-A3B shape at 1/3 cached,
 # ~0.2 s over PCIe 5), which decode steps beat below a few dozen tokens
 PREFILL_MIN = 32
+# a prompt that is not prefilled (shorter than --prefill-min, or a chat turn's new tokens after a cached prefix)
+# runs its tokens but the last this many per step, in the verify step's T-row pass (each distinct expert read
+# once for the step's tokens). On an H100 (2026-12-07, docs/benchmarks.md; 30B-A3B shape, calibrated skew, the
+# CUDA C union kernel) a step of 2 / 3 / 4 tokens cost 1.44-1.68x / 1.97-2.29x / 2.38-2.85x a one-token step:
+# 4 tokens per step take such a prompt 1.4-1.7x faster than one token per step
+PROMPT_ROWS = 4
 _RING = 8
 
 _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000 ** 2, "MB": 1000 ** 2, "G": 1000 ** 3, "GB": 1000 ** 3,
@@ -193,7 +199,7 @@ class Engine:
     def __init__(self, path, *, device="cuda", cache_budget="auto", ctx_size: int = 4096,
                  cache_type_k: str = "f16", cache_type_v: str = "f16", impl: str = "auto", miss_split="gpu",
                  cpu_impl: str = "auto", miss_activations: str = "float", ubatch: int = 8192, prefill_min: int = PREFILL_MIN,
-                 profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
+                 prompt_rows: int = PROMPT_ROWS, profile_path="auto", policy: CachePolicy = CachePolicy(), graphs: bool = True,
                  progress: bool = True, log=None, mtp=None, mtp_experts: str = "auto", n_seq: int = 1,
                  miss_prefetch: int = 0, mtp_drafter: str = "auto", host_experts: str = "auto"):
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr))
@@ -358,6 +364,9 @@ class Engine:
         self.cached_tokens = 0           # the last prompt's leading tokens kept from the sequence before it
         self.prefill = None
         self.prefill_min = int(prefill_min)
+        if not 1 <= int(prompt_rows) <= VERIFY_MAX:
+            raise FleError(f"prompt_rows {prompt_rows}: a step takes 1 to {VERIFY_MAX} of a prompt's tokens")
+        self.prompt_rows = int(prompt_rows)
         if prefill_on:
             self.prefill = Prefill(self, ubatch)
         self._rings()
@@ -843,6 +852,8 @@ class Engine:
         n_out = 0
         try:
             first = self._prefill_prompt(prompt) if self._use_prefill(prompt) else None
+            if first is None:
+                self._prompt_in_rows(prompt)
             if first is not None:
                 t_prompt_end = time.perf_counter()
                 n_out = 1
@@ -879,6 +890,25 @@ class Engine:
             self.stats.gen_tokens += max(0, n_out - 1)
             self.stats.gen_seconds += t_end - t_prompt_end
 
+    def _prompt_in_rows(self, prompt, on_step: "Callable[[int], None] | None" = None) -> None:
+        """The prompt's tokens from the current position up to its last (not
+        included: the step loop runs that one and reads its logits) in
+        steps of up to ``prompt_rows`` tokens, the verify step's T-row pass
+        (:meth:`verify_step`; its outputs are not needed). ``on_step(T)``
+        is called after each step (the MTP head reads its rows). Nothing on
+        an engine of several sequences, a net without that pass, or with
+        ``prompt_rows`` 1."""
+        end = len(prompt) - 1
+        if self.prompt_rows < 2 or end - self.launched < 2 or self.n_seq > 1 or self.net.multi_unsupported():
+            return
+        while end - self.launched >= 2:
+            toks = prompt[self.launched:min(end, self.launched + self.prompt_rows)]
+            self.verify_step(toks)
+            self.history.extend(toks)
+            if on_step is not None:
+                on_step(len(toks))
+        self._multi_at = None           # no rewind into a prompt
+
     def _use_prefill(self, prompt) -> bool:
         return self.prefill is not None and len(prompt) - self.launched >= self.prefill_min
 
@@ -912,7 +942,6 @@ class Engine:
         t0 = time.perf_counter()
         t1 = None
         n_out = 0
-        tok = prompt[self.launched]
         try:
             if self._use_prefill(prompt) and self._prefill_prompt(prompt) is not None:
                 t1 = time.perf_counter()
@@ -922,6 +951,9 @@ class Engine:
                 yield tok
                 if tok in stop or n_out >= n_predict:
                     return
+            else:
+                self._prompt_in_rows(prompt)
+                tok = prompt[self.launched]
             while True:
                 self._launch(tok)
                 self._consume()

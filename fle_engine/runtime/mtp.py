@@ -501,9 +501,10 @@ def _hidden(eng, n: int) -> Tensor:
 
 def _prompt(eng, prompt: list, want_logits: bool) -> tuple[int, Tensor, "np.ndarray | None"]:
     """The prompt from position 0: prefill (when the engine would use it) or
-    decode steps one at a time -> (the greedy next token, the hidden rows
-    the head reads [P, ...] (:func:`_hidden`), the last position's logits on
-    the host when ``want_logits``)."""
+    the engine's steps (``prompt_rows`` tokens per T-row step, the last
+    token alone) -> (the greedy next token, the hidden rows the head reads
+    [P, ...] (:func:`_hidden`), the last position's logits on the host when
+    ``want_logits``)."""
     eng.reset()
     eng.cached_tokens = 0
     first = hidden = None
@@ -512,13 +513,13 @@ def _prompt(eng, prompt: list, want_logits: bool) -> tuple[int, Tensor, "np.ndar
         if first is not None:
             hidden, eng.prefill.hidden = eng.prefill.hidden, None
     if first is None:
-        for i, t in enumerate(prompt):
+        rows = []
+        eng._prompt_in_rows(prompt, lambda n: rows.append(_hidden(eng, n)))
+        for t in prompt[eng.launched:]:
             eng._launch(t)
-            row = _hidden(eng, 1)[0]                   # ordered after the step on the device
-            if hidden is None:
-                hidden = torch.empty(len(prompt), *row.shape, dtype=torch.float32, device=eng.device)
-            hidden[i].copy_(row)
+            rows.append(_hidden(eng, 1))               # ordered after the step on the device
             first = eng._consume()
+        hidden = torch.cat(rows)
     logits = eng.state.bufs.logits[0].float().cpu().numpy() if want_logits else None
     return first, hidden, logits
 
