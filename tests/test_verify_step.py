@@ -365,17 +365,19 @@ def _one_expert_per_layer(path) -> int:
 LONG = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
 
 
-@pytest.mark.parametrize("rows,n_steps,n_turn", [(2, 5, 2), (3, 3, 1), (4, 3, 1)])
+@pytest.mark.parametrize("rows,n_steps,n_turn", [(2, 5, 2), (3, 3, 1), (4, 2, 1)])
 def test_short_prompt_in_row_steps_equals_one_token_steps(arch_file, rows, n_steps, n_turn):
     """A prompt that is not prefilled runs its tokens but the last ``rows``
-    at a time in the verify step's pass (11 tokens: the first 10 in steps of
-    2+2+2+2+2, 3+3+3 (the tenth alone), 4+4+2): the same greedy tokens and
-    logits after the prompt as one token per step, the history that a
-    follow-up turn reuses, and that turn's answer (its 5 new tokens: the
-    first 4 in steps of 2+2, 3 (then one alone), 4)."""
+    at a time in the verify step's pass, the fewer left one per step (11
+    tokens: the first 10 in steps of 2+2+2+2+2, 3+3+3 then 1, 4+4 then 1+1):
+    the same greedy tokens and logits after the prompt as one token per
+    step, the history that a follow-up turn reuses, and that turn's answer
+    (its 5 new tokens: the first 4 in steps of 2+2, 3 then 1, 4)."""
     budget = 2 * _one_expert_per_layer(arch_file)
     got = _engine(arch_file, budget, prompt_rows=rows)
     one = _engine(arch_file, budget, prompt_rows=1)
+    if CUDA:            # the prompts' one T-row graph is captured at load, beside the decode step's
+        assert list(got._multi_graphs) == [rows] and getattr(one.state, "multi", None) is None
     out = {}
     for name, eng in (("rows", got), ("one", one)):
         first = eng.generate(LONG, 1)
@@ -392,6 +394,8 @@ def test_short_prompt_in_row_steps_equals_one_token_steps(arch_file, rows, n_ste
     assert (out["rows"][2], out["one"][2]) == (n_steps, 0)
     assert out["rows"][3] == out["one"][3]
     assert (out["rows"][4], out["one"][4]) == (n_turn, 0)
+    if CUDA:
+        assert list(got._multi_graphs) == [rows]
     assert out["rows"][5] == out["one"][5]
 
 

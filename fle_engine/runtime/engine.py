@@ -372,6 +372,9 @@ class Engine:
         self._rings()
         if self.cuda and graphs and self.fast:      # the reference operations synchronise: they run eagerly
             self._capture()
+            if self._prompt_rows_on():              # the prompts' T-row step too: not in the first prompt's time
+                self._multi_ready()
+                self._capture_multi(self.prompt_rows)
         self.load_seconds = time.perf_counter() - t0
         self._last_profile_save = time.monotonic()
         self.report()
@@ -890,19 +893,23 @@ class Engine:
             self.stats.gen_tokens += max(0, n_out - 1)
             self.stats.gen_seconds += t_end - t_prompt_end
 
+    def _prompt_rows_on(self) -> bool:
+        return self.prompt_rows > 1 and self.n_seq == 1 and not self.net.multi_unsupported()
+
     def _prompt_in_rows(self, prompt, on_step: "Callable[[int], None] | None" = None) -> None:
         """The prompt's tokens from the current position up to its last (not
         included: the step loop runs that one and reads its logits) in
-        steps of up to ``prompt_rows`` tokens, the verify step's T-row pass
-        (:meth:`verify_step`; its outputs are not needed). ``on_step(T)``
-        is called after each step (the MTP head reads its rows). Nothing on
-        an engine of several sequences, a net without that pass, or with
-        ``prompt_rows`` 1."""
+        steps of ``prompt_rows`` tokens, the verify step's T-row pass
+        (:meth:`verify_step`; its outputs are not needed), the fewer left
+        one per step: one T, so one graph, captured with the decode step's.
+        ``on_step(T)`` is called after each step (the MTP head reads its
+        rows). Nothing on an engine of several sequences, a net without
+        that pass, or with ``prompt_rows`` 1."""
         end = len(prompt) - 1
-        if self.prompt_rows < 2 or end - self.launched < 2 or self.n_seq > 1 or self.net.multi_unsupported():
+        if end - self.launched < self.prompt_rows or not self._prompt_rows_on():
             return
-        while end - self.launched >= 2:
-            toks = prompt[self.launched:min(end, self.launched + self.prompt_rows)]
+        while end - self.launched >= self.prompt_rows:
+            toks = prompt[self.launched:self.launched + self.prompt_rows]
             self.verify_step(toks)
             self.history.extend(toks)
             if on_step is not None:
