@@ -857,7 +857,7 @@ class Engine:
             first = self._prefill_prompt(prompt) if self._use_prefill(prompt) else None
             if first is None:
                 self._prompt_in_rows(prompt)
-            if first is not None:
+            else:
                 t_prompt_end = time.perf_counter()
                 n_out = 1
                 self.length = len(prompt) + 1
@@ -905,9 +905,9 @@ class Engine:
         ``on_step(T)`` is called after each step (the MTP head reads its
         rows). Nothing on an engine of several sequences, a net without
         that pass, or with ``prompt_rows`` 1."""
-        end = len(prompt) - 1
-        if end - self.launched < self.prompt_rows or not self._prompt_rows_on():
+        if not self._prompt_rows_on():
             return
+        end = len(prompt) - 1
         while end - self.launched >= self.prompt_rows:
             toks = prompt[self.launched:self.launched + self.prompt_rows]
             self.verify_step(toks)
