@@ -499,11 +499,15 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
         err = float((yd - ref).abs().max() / ref.abs().max())
         print(f"dense {name}: CUDA C against Triton, max difference {err:.2e}", flush=True)
         # the shapes, loads-first and PDL variants swept on 2026-12-06/07 (docs/benchmarks.md), kept to the best
-        launches = [("triton engine launch", None, None, "0")] + [
-            (f"cuda {r},{wp}", f"1,4,1,4,{r},{wp}", "0,0,0", "0") for r, wp in ((2, 2), (4, 2), (2, 4))]
-        launches += [("cuda 2,2 pre 2 pdl", "1,4,1,4,2,2", "0,0,2", "1")]
-        for launch, cfg, pre, pdl in launches:
+        launches = [("triton engine launch", None, None, "0", "word")] + [
+            (f"cuda {r},{wp}", f"1,4,1,4,{r},{wp}", "0,0,0", "0", "word") for r, wp in ((2, 2), (4, 2), (2, 4))]
+        launches += [("cuda 2,2 pre 2 pdl", "1,4,1,4,2,2", "0,0,2", "1", "word")]
+        # rows staged through shared memory (FLE_CUDA_MV_DENSE=stage), per shape
+        launches += [(f"cuda stage {r},{wp}", f"1,4,1,4,{r},{wp}", "0,0,0", "0", "stage")
+                     for r, wp in ((1, 4), (2, 2), (2, 4), (4, 2), (1, 8), (2, 8))]
+        for launch, cfg, pre, pdl, kind in launches:
             os.environ["FLE_PDL"] = pdl
+            os.environ["FLE_CUDA_MV_DENSE"] = kind
             if cfg:
                 os.environ["FLE_CUDA_MV_CONFIG"] = cfg
                 os.environ["FLE_CUDA_MV_PRE"] = pre
@@ -519,7 +523,7 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
             if busy is not None:
                 res["dense"][-1].update(busy_us=busy / reps * 1e6, busy_GBps=mats[0].numel() * reps / busy / 1e9)
             print(res["dense"][-1], flush=True)
-        for name_ in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL"):
+        for name_ in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL", "FLE_CUDA_MV_DENSE"):
             os.environ.pop(name_, None)
     return res
 
@@ -537,6 +541,7 @@ def dense_rows_bench(reps: int = 16) -> list[dict]:
 
     os.environ["FLE_CUDA_MV"] = "1"
     os.environ["FLE_CUDA_MV_DENSE_T"] = "4"
+    os.environ["FLE_CUDA_MV_DENSE"] = "word"
     rows = []
     try:
         for name, n_out, n_in in (("qkv", 5120, 2048), ("wo", 2048, 4096)):
@@ -550,11 +555,20 @@ def dense_rows_bench(reps: int = 16) -> list[dict]:
                 t_cuda = _time_graph(lambda: [cuda_mv.dense(m, GGMLType.Q8_0, x, y) for m in mats]) / reps
                 t_tri = _time_graph(lambda: [triton_quant.mul_mat(m, GGMLType.Q8_0, x, out=y,
                                                                   config=_dense_config(n_out, t)) for m in mats]) / reps
+                os.environ["FLE_CUDA_MV_DENSE"] = "stage"       # rows staged through shared memory
+                y.zero_()
+                cuda_mv.dense(mats[0], GGMLType.Q8_0, x, y)
+                err_s = float((y.cpu() - ref).abs().max() / ref.abs().max())
+                t_stage = _time_graph(lambda: [cuda_mv.dense(m, GGMLType.Q8_0, x, y) for m in mats]) / reps
+                os.environ["FLE_CUDA_MV_DENSE"] = "word"
                 rows.append({"matrix": name, "T": t, "cuda_us": t_cuda * 1e6, "triton_us": t_tri * 1e6,
-                             "cuda_GBps": mats[0].numel() / t_cuda / 1e9, "max_rel_diff": err})
+                             "stage_us": t_stage * 1e6, "cuda_GBps": mats[0].numel() / t_cuda / 1e9,
+                             "stage_GBps": mats[0].numel() / t_stage / 1e9, "max_rel_diff": err,
+                             "stage_max_rel_diff": err_s})
                 print(rows[-1], flush=True)
     finally:
         os.environ.pop("FLE_CUDA_MV_DENSE_T", None)
+        os.environ.pop("FLE_CUDA_MV_DENSE", None)
     return rows
 
 
@@ -616,8 +630,9 @@ def main(argv=None) -> int:
                     print(f"  the same launches' own time on the device (no gaps between them): "
                           f"{b['hit_busy_us']:.1f} us, {b['hit_busy_GBps']:.0f} GB/s = {b['hit_busy_GBps'] / hbm:.2f} {unit}")
         for name in ("qkv", "wo", "output"):
-            for impl in ("triton", "cuda"):
-                rs = [r for r in res["dense"] if r["matrix"] == name and r["launch"].startswith(impl)]
+            for impl in ("triton", "cuda", "cuda stage"):
+                rs = [r for r in res["dense"] if r["matrix"] == name and r["launch"].startswith(impl)
+                      and (impl != "cuda" or "stage" not in r["launch"])]
                 b = min(rs, key=lambda r: r["us"])
                 print(f"dense {name}: {impl} best {b['launch']} {b['us']:.1f} us, {b['GBps']:.0f} GB/s = "
                       f"{b['GBps'] / hbm:.2f} of the device copy")
@@ -632,8 +647,10 @@ def main(argv=None) -> int:
         for r in res["dense_rows"]:
             one = next(q for q in res["dense_rows"] if q["matrix"] == r["matrix"] and q["T"] == 1)
             rel = r["cuda_us"] / one["cuda_us"]
+            rel_s = r["stage_us"] / one["stage_us"]
             print(f"dense {r['matrix']}, T = {r['T']}: CUDA C {r['cuda_us']:.1f} us ({rel:.2f}x its T = 1), "
-                  f"Triton {r['triton_us']:.1f} us, max difference {r['max_rel_diff']:.1e}")
+                  f"staged {r['stage_us']:.1f} us ({rel_s:.2f}x), Triton {r['triton_us']:.1f} us, max difference "
+                  f"{r['max_rel_diff']:.1e} / staged {r['stage_max_rel_diff']:.1e}")
         if args.json:
             args.json.write_text(json.dumps(res, indent=1))
         return 0

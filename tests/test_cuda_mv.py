@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 from fle_engine.kernels import cuda_mv, engine_ops, reference  # noqa: E402
 from fle_engine.kernels.ptx_decode import BOOK_WORDS  # noqa: E402
+from fle_quant.errors import FleError  # noqa: E402
 from fle_quant.ggml_types import GGMLType  # noqa: E402
 from fle_quant.quants import quantize  # noqa: E402
 
@@ -86,6 +87,7 @@ def test_source_compiles(ffn, tmp_path):
     names = (tmp_path / "k.cubin").read_bytes()           # the ELF's string table holds the kernels' names
     assert (b"iq4xs_ffn_2_4_p1" in names) == ffn and (b"q8_0_mv_2_p0" in names) != ffn
     assert (b"iq4xs_ugu_2" in names) != ffn and (b"iq4xs_udn_8" in names) != ffn
+    assert (b"q8_0_ms_2_t3" in names) != ffn
 
 
 def test_off_without_cuda_or_when_asked(monkeypatch):
@@ -332,6 +334,52 @@ def test_dense_several_rows_against_reference(n_tok, rows, warps, n_out, n_in, p
     monkeypatch.setenv("FLE_CUDA_MV_DENSE_T", "4")
     monkeypatch.setenv("FLE_CUDA_MV_CONFIG", f"1,4,1,4,{rows},{warps}")
     _dense_case(n_out, n_in, n_tok, pad)
+
+
+@gpu
+@pytest.mark.parametrize("n_tok", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows,warps", [(1, 4), (2, 2), (2, 4), (4, 2)])
+@pytest.mark.parametrize("n_out,n_in,pad", [(37, 256, 0), (130, 2048, 4), (9, 8192, 8), (5, 4352, 0)])
+def test_dense_staged_against_reference(n_tok, rows, warps, n_out, n_in, pad, monkeypatch):
+    """The kernel that stages rows through shared memory: rows of one chunk, of two (8192 inputs:
+    256 blocks) and of a full chunk and a partial one (4352: 128 + 8 blocks), output rows that do
+    not fill the last warp, 1..4 activation rows, contiguous or strided."""
+    monkeypatch.setenv("FLE_CUDA_MV_DENSE", "stage")
+    monkeypatch.setenv("FLE_CUDA_MV_DENSE_T", "4")
+    monkeypatch.setenv("FLE_CUDA_MV_CONFIG", f"1,4,1,4,{rows},{warps}")
+    _dense_case(n_out, n_in, n_tok, pad)
+
+
+@gpu
+def test_dense_staged_in_a_graph_and_where_it_applies(monkeypatch):
+    """Captured and replayed on new activations it equals the reference; rows whose block count is
+    not a multiple of 8, or a matrix not 16-byte aligned, take the one-block-per-lane kernel."""
+    monkeypatch.setenv("FLE_CUDA_MV_DENSE", "stage")
+    rng = np.random.default_rng(2)
+    w = torch.from_numpy(quantize(rng.standard_normal((96, 2048)).astype(np.float32), GGMLType.Q8_0)).cuda()
+    assert cuda_mv.dense_staged(w)
+    x = torch.randn(1, 2048, device="cuda")
+    out = torch.zeros(1, 96, device="cuda")
+    cuda_mv.dense(w, GGMLType.Q8_0, x, out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cuda_mv.dense(w, GGMLType.Q8_0, x, out)
+    x.copy_(torch.randn(1, 2048, device="cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    _close(out.cpu(), reference.mul_mat(w.cpu(), GGMLType.Q8_0, x.cpu()))
+    odd = torch.zeros(4, 130 * 34, dtype=torch.uint8, device="cuda")
+    assert not cuda_mv.dense_staged(odd)
+    buf = torch.zeros(4 * 2176 + 4, dtype=torch.uint8, device="cuda")
+    assert not cuda_mv.dense_staged(buf[4:].view(4, 2176))
+    monkeypatch.setenv("FLE_CUDA_MV_DENSE", "word")
+    assert not cuda_mv.dense_staged(w)
+
+
+def test_dense_kernel_variable_is_checked(monkeypatch):
+    monkeypatch.setenv("FLE_CUDA_MV_DENSE", "tiles")
+    with pytest.raises(FleError, match="FLE_CUDA_MV_DENSE='tiles'"):
+        cuda_mv.dense_staged(torch.zeros(4, 272, dtype=torch.uint8))
 
 
 def test_several_rows_up_to_the_measured_limit(monkeypatch):

@@ -596,6 +596,110 @@ __device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y,
     }
 }
 
+// Q8_0 rows staged through shared memory ("stage"): the warp copies a chunk of up to Q8S_CHUNK
+// blocks of each of its OPW rows into its own part of shared memory with 16-byte asynchronous
+// copies (consecutive lanes, consecutive 16 bytes: each copy instruction moves 512 bytes), then
+// the lanes walk the chunk four blocks (128 values) at a time, lane L on values 4 (L % 8) .. +3 of
+// block L / 8: its four quants from two shared words (a block's quants start 2 bytes past a
+// 4-byte boundary when the block's index is even), the block's scale as a 16-bit shared load,
+// and its four activations of each of the T rows as one 16-byte load that the warp's 32 lanes
+// make contiguous (512 bytes). The one-block-per-lane kernel above loads a lane's 34 weight bytes
+// and 32 activations with lanes 34 and 128 bytes apart, so that each of its load instructions
+// touches about as many cache lines as it has lanes; here an instruction touches 4 (copies and
+// activations) or about 1 (shared loads). Rows are 16-byte aligned: n_blocks % 8 == 0 (Q8S_CHUNK
+// too), w 16-byte aligned (cuda_mv.py checks); the launch's shared memory has 16 bytes past the
+// last warp's rows (a lane's second word may lie past its row). Weights are copied before the
+// wait (PDL).
+#define Q8S_CHUNK 128
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* g) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
+#else
+    *(uint4*)smem = __ldg((const uint4*)g);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+template <int OPW, int T>
+__device__ __forceinline__ void q8_0_mvs(const char* w, const float* x, float* y, int n_out, int n_blocks,
+                                         i64 row_bytes, int stride_x, int stride_y) {
+    extern __shared__ __align__(16) unsigned char q8s_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int o0 = (blockIdx.x * (blockDim.x >> 5) + warp) * OPW;
+    if (o0 >= n_out) return;                 // no block-wide barrier below: a warp may leave
+    const int chunk = n_blocks < Q8S_CHUNK ? n_blocks : Q8S_CHUNK;
+    char* sm = (char*)q8s_smem + (i64)warp * OPW * chunk * 34;
+    const int n_rows = n_out - o0 < OPW ? n_out - o0 : OPW;
+    float acc[T][OPW];
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+#pragma unroll
+        for (int i = 0; i < OPW; ++i) acc[t][i] = 0.0f;
+    const int sub = lane >> 3, q = lane & 7;            // block of the group, word of its quants
+    for (int c0 = 0; c0 < n_blocks; c0 += chunk) {
+        const int nb = n_blocks - c0 < chunk ? n_blocks - c0 : chunk;
+        const int nv = nb * 34 / 16, rb = nb * 34;      // 16-byte copies per row, bytes per staged row
+        for (int i = 0; i < n_rows; ++i) {
+            const char* src = w + (i64)(o0 + i) * row_bytes + (i64)c0 * 34;
+            for (int v = lane; v < nv; v += 32) cp_async16(sm + i * rb + 16 * v, src + 16 * v);
+        }
+        if (c0 == 0) {
+            grid_wait();
+            grid_release();
+        }
+        cp_async_wait();
+        __syncwarp();
+        const float* xc = x + (i64)c0 * 32 + 4 * lane;
+        for (int g = 0; g < nb; g += 4) {
+            float4 xv[T];
+#pragma unroll
+            for (int t = 0; t < T; ++t) xv[t] = *(const float4*)(xc + (i64)t * stride_x + 32 * g);
+            const int off = 34 * (g + sub) + 2 + 4 * q;          // the lane's quants in a staged row
+            const int sh = (off & 3) * 8;                        // 0 or 16
+#pragma unroll
+            for (int i = 0; i < OPW; ++i) {
+                if (i < n_rows) {
+                    const char* r = sm + i * rb;
+                    const u32* wp = (const u32*)(r + (off & ~3));
+                    const u32 qv = __funnelshift_r(wp[0], wp[1], sh);
+                    const float d = h2f(*(const u16*)(r + 34 * (g + sub)));
+#pragma unroll
+                    for (int t = 0; t < T; ++t) acc[t][i] = fmaf(d, q8_dot(qv, xv[t]), acc[t][i]);
+                }
+            }
+        }
+        __syncwarp();                            // the next chunk overwrites what the lanes read
+    }
+    warp_sum_all(acc);
+    if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < T; ++t)
+#pragma unroll
+            for (int i = 0; i < OPW; ++i)
+                if (i < n_rows) y[(i64)t * stride_y + o0 + i] = acc[t][i];
+    }
+}
+
+#define Q8MS(OPW, T)                                                                                              \
+    extern "C" __global__ void q8_0_ms_##OPW##_t##T(const char* w, const float* x, float* y, int n_out,          \
+                                                    int n_blocks, i64 row_bytes, int stride_x, int stride_y) {   \
+        q8_0_mvs<OPW, T>(w, x, y, n_out, n_blocks, row_bytes, stride_x, stride_y);                                \
+    }
+#define Q8MS_T(OPW) Q8MS(OPW, 1) Q8MS(OPW, 2) Q8MS(OPW, 3) Q8MS(OPW, 4)
+
+#ifndef FLE_ONLY_FFN
+Q8MS_T(1)
+Q8MS_T(2)
+Q8MS_T(4)
+#endif
+
 #define Q8MV(NAME, OPW, PRE, T)                                                                          \
     extern "C" __global__ void NAME(const char* w, const float* x, float* y, int n_out, int n_blocks,   \
                                     i64 row_bytes, int stride_x, int stride_y) {                         \

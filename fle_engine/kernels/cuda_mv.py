@@ -54,7 +54,7 @@ from fle_quant.ggml_types import GGMLType
 from .ptx_decode import BOOK_WORDS
 
 __all__ = ["enabled", "experts_supported", "experts", "union_supported", "experts_union", "ffn_supported",
-           "experts_ffn", "dense_supported", "dense", "dense_t_max", "UNION_DEFAULT", "EXPERT_CONFIG", "FFN_CONFIG", "DENSE_CONFIG", "DENSE_T_MAX"]
+           "experts_ffn", "dense_supported", "dense", "dense_staged", "dense_t_max", "UNION_DEFAULT", "EXPERT_CONFIG", "FFN_CONFIG", "DENSE_CONFIG", "DENSE_T_MAX"]
 
 SOURCE = Path(__file__).with_name("cuda_mv.cu")
 DEFAULT = "1"             # FLE_CUDA_MV when unset
@@ -81,6 +81,11 @@ _SYNC_WORDS = 4096        # the fused launch's counters: a ticket, a done count,
 # 2,2 took 9.5 us for 5120 x 2048 and 2048 x 4096 (Triton 10.6 and 13.2), 4,2 143 us for the
 # 151936 x 2048 output matrix (Triton 194).
 DENSE_CONFIG = ((2, 2, 0), (4, 2, 0))
+# FLE_CUDA_MV_DENSE when unset: "word" (the kernel above: a lane per 34-byte block, its weights and
+# activations loaded straight from global memory) or "stage" (rows copied into shared memory with
+# 16-byte copies, four values per lane: cuda_mv.cu's q8_0_mvs; the same launch shapes).
+DENSE_DEFAULT = "word"
+_Q8S_CHUNK = 128          # blocks of each row staged at once (cuda_mv.cu's Q8S_CHUNK)
 DENSE_LARGE = 32768
 _DENSE_ROWS = (1, 2, 4)
 _DENSE_PRE = (0, 1, 2, 4)
@@ -151,6 +156,7 @@ class _LaunchConfig(ctypes.Structure):        # CUlaunchConfig
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6     # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_MAX_DYNAMIC_SHARED = 8                    # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 def _check(res: int, what: str) -> None:
@@ -217,6 +223,7 @@ class _Module:
         self.module = ctypes.c_void_p()
         _check(self.cuda.cuModuleLoadData(ctypes.byref(self.module), cubin), "cuModuleLoadData")
         self.funcs: dict[str, ctypes.c_void_p] = {}
+        self.shared_ok: dict[str, int] = {}     # kernel -> dynamic shared bytes it is allowed past 48 KiB
         self.local = threading.local()
         self.sync: "Tensor | None" = None
 
@@ -242,17 +249,24 @@ class _Module:
             self.funcs[name] = f
         return f
 
-    def launch(self, name: str, grid: tuple, block: int, args: list) -> None:
+    def launch(self, name: str, grid: tuple, block: int, args: list, shared: int = 0) -> None:
+        """One launch on torch's current stream; ``shared``: bytes of dynamic shared memory
+        (past 48 KiB the kernel is allowed that much first)."""
         if not getattr(self.local, "ctx_ok", False):     # a thread's first launch: torch's context current
             self._ensure_ctx()
             self.local.ctx_ok = True
+        f = self.func(name)
+        if shared > self.shared_ok.get(name, 48 * 1024):
+            _check(self.cuda.cuFuncSetAttribute(f, _MAX_DYNAMIC_SHARED, ctypes.c_int(shared)),
+                   f"{name}: {shared} bytes of shared memory")
+            self.shared_ok[name] = shared
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
         stream = torch.cuda.current_stream().cuda_stream
         if self.launch_ex is not None and pdl_on():
-            cfg = _LaunchConfig(grid[0], grid[1], 1, block, 1, 1, 0, stream, ctypes.pointer(self.pdl_attr), 1)
-            _check(self.launch_ex(ctypes.byref(cfg), self.func(name), params, None), f"launch of {name}")
+            cfg = _LaunchConfig(grid[0], grid[1], 1, block, 1, 1, shared, stream, ctypes.pointer(self.pdl_attr), 1)
+            _check(self.launch_ex(ctypes.byref(cfg), f, params, None), f"launch of {name}")
             return
-        _check(self.cuda.cuLaunchKernel(self.func(name), grid[0], grid[1], 1, block, 1, 1, 0, stream, params, None),
+        _check(self.cuda.cuLaunchKernel(f, grid[0], grid[1], 1, block, 1, 1, shared, stream, params, None),
                f"launch of {name}")
 
 
@@ -505,13 +519,28 @@ def dense(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> Tensor:
     if rows not in _DENSE_ROWS:
         raise FleError(f"FLE_CUDA_MV_CONFIG: no dense kernel with {rows} rows per warp (there are {_DENSE_ROWS})")
     row_bytes = w.shape[-1]
+    n_blocks = row_bytes // _Q8_BLOCK
     n_tok = x.shape[0]
-    if n_tok == 1:
-        name = f"q8_0_mv_{rows}_p{_pre_kernel(pre, (row_bytes // _Q8_BLOCK + 31) // 32, _DENSE_PRE)}"
+    shared = 0
+    if dense_staged(w):                 # rows through shared memory (cuda_mv.cu's q8_0_mvs)
+        name = f"q8_0_ms_{rows}_t{n_tok}"
+        shared = warps * rows * min(n_blocks, _Q8S_CHUNK) * _Q8_BLOCK + 16
+    elif n_tok == 1:
+        name = f"q8_0_mv_{rows}_p{_pre_kernel(pre, (n_blocks + 31) // 32, _DENSE_PRE)}"
     else:                               # several activation rows: no loads-first variants
         name = f"q8_0_mv_{rows}_p0_t{n_tok}"
     grid = ((n_out + rows * warps - 1) // (rows * warps), 1)
     _module().launch(name, grid, 32 * warps,
-                     [_p(w), _p(x), _p(out), ctypes.c_int(n_out), ctypes.c_int(row_bytes // _Q8_BLOCK),
-                      ctypes.c_longlong(row_bytes), ctypes.c_int(x.stride(0)), ctypes.c_int(out.stride(0))])
+                     [_p(w), _p(x), _p(out), ctypes.c_int(n_out), ctypes.c_int(n_blocks),
+                      ctypes.c_longlong(row_bytes), ctypes.c_int(x.stride(0)), ctypes.c_int(out.stride(0))], shared)
     return out
+
+
+def dense_staged(w: Tensor) -> bool:
+    """Whether :func:`dense` takes the kernel that stages rows through shared memory
+    (FLE_CUDA_MV_DENSE=stage, else =word for the one-block-per-lane kernel; unset:
+    :data:`DENSE_DEFAULT`): rows of a multiple of 8 blocks, 16-byte aligned."""
+    mode = os.environ.get("FLE_CUDA_MV_DENSE") or DENSE_DEFAULT
+    if mode not in ("stage", "word"):
+        raise FleError(f"FLE_CUDA_MV_DENSE={mode!r}: it takes stage or word; unset it for the measured default")
+    return mode == "stage" and (w.shape[-1] // _Q8_BLOCK) % 8 == 0 and _aligned(w, 16)
