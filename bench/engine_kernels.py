@@ -528,7 +528,7 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
     return res
 
 
-def dense_rows_bench(reps: int = 16) -> list[dict]:
+def dense_rows_bench(reps: int = 16, output: bool = False) -> list[dict]:
     """Q8_0 dense products of T = 1..4 activation rows (the verify step's tokens, batched lanes):
     Triton's launch against the CUDA C kernel that reads each weight block once for all rows
     (cuda_mv's T-row kernels, FLE_CUDA_MV_DENSE_T=4 here), per per-layer matrix; outputs compared
@@ -544,9 +544,12 @@ def dense_rows_bench(reps: int = 16) -> list[dict]:
     os.environ["FLE_CUDA_MV_DENSE"] = "word"
     rows = []
     try:
-        for name, n_out, n_in in (("qkv", 5120, 2048), ("wo", 2048, 4096)):
+        shapes = [("qkv", 5120, 2048, reps, 4), ("wo", 2048, 4096, reps, 4)]
+        if output:                      # the 151936 x 2048 output matrix (330 MB), at T = 1
+            shapes.append(("output", 151936, 2048, 1, 1))
+        for name, n_out, n_in, reps, t_max in shapes:
             mats = _q8_0_matrices(n_out, n_in, reps)
-            for t in (1, 2, 3, 4):
+            for t in range(1, t_max + 1):
                 x = torch.randn(t, n_in, device="cuda")
                 y = torch.zeros(t, n_out, device="cuda")
                 cuda_mv.dense(mats[0], GGMLType.Q8_0, x, y)
@@ -598,6 +601,9 @@ def main(argv=None) -> int:
                    help="only the cost of m missed experts per token in a layer's launches, T = 1 and 3")
     p.add_argument("--cuda", action="store_true",
                    help="only the CUDA C kernels (cuda_mv) against Triton's: experts and Q8_0 dense, per launch shape")
+    p.add_argument("--dense", action="store_true",
+                   help="only the Q8_0 dense products of 1..4 activation rows: Triton's, CUDA C's one block per "
+                        "lane and CUDA C's rows staged through shared memory (and the output matrix at T = 1)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     import json
@@ -607,6 +613,18 @@ def main(argv=None) -> int:
 
     res = {"ceilings": ceilings()}
     print(res["ceilings"], flush=True)
+    if args.dense:
+        res["dense_rows"] = dense_rows_bench(output=True)
+        for r in res["dense_rows"]:
+            one = next(q for q in res["dense_rows"] if q["matrix"] == r["matrix"] and q["T"] == 1)
+            print(f"dense {r['matrix']}, T = {r['T']}: CUDA C one block per lane {r['cuda_us']:.1f} us "
+                  f"({r['cuda_us'] / one['cuda_us']:.2f}x its T = 1, {r['cuda_GBps']:.0f} GB/s), staged "
+                  f"{r['stage_us']:.1f} us ({r['stage_us'] / one['stage_us']:.2f}x, {r['stage_GBps']:.0f} GB/s), "
+                  f"Triton {r['triton_us']:.1f} us; max difference {r['max_rel_diff']:.1e} / staged "
+                  f"{r['stage_max_rel_diff']:.1e}")
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1))
+        return 0
     if args.cuda:
         res["read_ceiling"] = read_ceiling()
         print(res["read_ceiling"], flush=True)
