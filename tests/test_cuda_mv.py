@@ -87,7 +87,7 @@ def test_source_compiles(ffn, tmp_path):
     names = (tmp_path / "k.cubin").read_bytes()           # the ELF's string table holds the kernels' names
     assert (b"iq4xs_ffn_2_4_p1" in names) == ffn and (b"q8_0_mv_2_p0" in names) != ffn
     assert (b"iq4xs_ugu_2" in names) != ffn and (b"iq4xs_udn_8" in names) != ffn
-    assert (b"q8_0_ms_2_t3" in names) != ffn
+    assert (b"q8_0_ms_2_t3" in names) != ffn and (b"iq4xs_wgu_2" in names) != ffn
 
 
 def test_off_without_cuda_or_when_asked(monkeypatch):
@@ -206,6 +206,35 @@ def _ffn_check(c, h, y):
 def test_experts_against_reference(config, share, rounded, monkeypatch):
     monkeypatch.setenv("FLE_CUDA_MV_CONFIG", config)
     _experts_case(share, rounded)
+
+
+@gpu
+@pytest.mark.parametrize("config", ["1,4,1,4", "2,4,4,4", "4,2,8,1", "1,1,2,2"])
+@pytest.mark.parametrize("share,rounded,n_embd,pdl", [(0, False, 512, "0"), (128, False, 2304, "0"),
+                                                      (0, True, 2304, "1"), (256, False, 512, "0")])
+def test_word_lane_experts_against_reference(config, share, rounded, n_embd, pdl, monkeypatch):
+    """The lane-per-quant-word kernel: rows of 2 and 9 super-blocks (an odd count: the last step
+    of two has one), down rows of 1, warps with rows past the end, misses, the CPU's share (all of
+    the misses at 256), rounded activations of misses, with and without PDL."""
+    monkeypatch.setenv("FLE_CUDA_MV_EXPERTS", "word")
+    monkeypatch.setenv("FLE_CUDA_MV_CONFIG", config)
+    monkeypatch.setenv("FLE_PDL", pdl)
+    _experts_case(share, rounded, n_embd)
+
+
+def test_expert_lanes_variable_and_hit_mode(monkeypatch):
+    """FLE_CUDA_MV_EXPERTS is checked; with word lanes the hit mode takes the CUDA C kernel too."""
+    monkeypatch.setenv("FLE_CUDA_MV_EXPERTS", "rows")
+    with pytest.raises(FleError, match="FLE_CUDA_MV_EXPERTS='rows'"):
+        cuda_mv.expert_word_lanes()
+    monkeypatch.setenv("FLE_CUDA_MV_EXPERTS", "word")
+    monkeypatch.delenv("FLE_CUDA_MV_CONFIG", raising=False)
+    assert cuda_mv.expert_word_lanes()
+    assert cuda_mv._expert_config(True, "hit") == cuda_mv.WORD_CONFIG["hit"][0]
+    if CUDA:
+        words = torch.zeros(1024, dtype=torch.int32, device="cuda")
+        x, out = torch.zeros(1, 256, device="cuda"), torch.zeros(1, 8, device="cuda")
+        assert cuda_mv.experts_supported(words, GGMLType.IQ4_XS, x, out, None, 1088, 544, mode="hit")
 
 
 @gpu

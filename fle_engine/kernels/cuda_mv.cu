@@ -167,6 +167,20 @@ __device__ __forceinline__ float iq4xs_sub(const char* row, int it, const float4
     return iq4xs_dot(iq4xs_load(row, it), it, xv);
 }
 
+// Whether routed row r (t * n_used + k), a miss, is the CPU's (runtime.split): the last
+// round(n_miss * share / 256) misses of its token t are.
+__device__ __forceinline__ bool cpu_owned(const int* slot_of, const i64* ids, int r, int n_used, int cpu_share) {
+    const int t = r / n_used;
+    int n_miss = 0, rank = 0;
+    for (int k = 0; k < n_used; ++k) {
+        const int miss = slot_of[ids[t * n_used + k]] < 0;
+        n_miss += miss;
+        rank += miss && (t * n_used + k < r);
+    }
+    const int n_cpu = (n_miss * cpu_share + 128) >> 8;
+    return rank >= n_miss - n_cpu;
+}
+
 // A warp's OPW outputs of one routed row (lane 0 writes them): silu(gate) * up from the (gate, up)
 // sums of gate+up, else the down sums scaled by the routing weight w.
 template <int GU, int OPW>
@@ -211,20 +225,10 @@ __device__ __forceinline__ void iq4xs_experts(const char* base, i64 host_delta, 
     if (o0 >= n_out) return;
     const i64 e = ids[r];
     const int s = slot_of[e];
-    if (cpu_share > 0 && s < 0) {
-        const int t = r / n_used;
-        int n_miss = 0, rank = 0;
-        for (int k = 0; k < n_used; ++k) {
-            const int miss = slot_of[ids[t * n_used + k]] < 0;
-            n_miss += miss;
-            rank += miss && (t * n_used + k < r);
-        }
-        const int n_cpu = (n_miss * cpu_share + 128) >> 8;
-        if (rank >= n_miss - n_cpu) {
-            if (EARLY) wait();
-            if (!GU && lane < OPW && o0 + lane < n_out) y[(i64)r * stride_y + o0 + lane] = 0.0f;
-            return;
-        }
+    if (cpu_share > 0 && s < 0 && cpu_owned(slot_of, ids, r, n_used, cpu_share)) {
+        if (EARLY) wait();
+        if (!GU && lane < OPW && o0 + lane < n_out) y[(i64)r * stride_y + o0 + lane] = 0.0f;
+        return;
     }
     const char* ex = (s >= 0) ? base + (i64)s * expert_bytes : base + host_delta + e * expert_bytes;
     const char* m = ex + part_bytes;
@@ -299,6 +303,98 @@ EXPERTS_PRE(dn, 0, 1)
 EXPERTS_PRE(dn, 0, 2)
 EXPERTS_PRE(dn, 0, 4)
 EXPERTS_PRE(dn, 0, 8)
+#endif
+
+// The same product with a lane per quant word ("word" lanes, FLE_CUDA_MV_EXPERTS=word): the warp
+// walks a row one super-block (256 values) at a time, lane L on word L % 4 of sub-block L / 4 (its
+// 8 values: 4 low nibbles, 4 high ones), so that a row's 128 quant bytes are one 4-byte load per
+// lane (consecutive lanes, consecutive words), the super-block's 8-byte head one load that every
+// lane shares, and the activations two 16-byte loads per lane that cover 1 KB of x together. The
+// kernel above gives a lane a whole sub-block: its 32 activations are 8 loads with lanes 128 bytes
+// apart, so that each of them touches 32 cache lines. UNR super-blocks' weights are loaded before
+// their products.
+#define WUNR 2
+template <int GU, int OPW>
+__device__ __forceinline__ void iq4xs_experts_w(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,
+                                                const int* slot_of, const i64* ids, const float* wts, const float* x,
+                                                float* y, int n_out, int n_sub, i64 row_bytes, int n_used,
+                                                int stride_x, int stride_y, int cpu_share, i64 x_miss_delta) {
+    grid_wait();
+    grid_release();
+    const int lane = threadIdx.x & 31;
+    const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
+    if (o0 >= n_out) return;
+    const int r = blockIdx.y;
+    const i64 e = ids[r];
+    const int s = slot_of[e];
+    if (cpu_share > 0 && s < 0 && cpu_owned(slot_of, ids, r, n_used, cpu_share)) {
+        if (!GU && lane < OPW && o0 + lane < n_out) y[(i64)r * stride_y + o0 + lane] = 0.0f;
+        return;
+    }
+    const char* m = ((s >= 0) ? base + (i64)s * expert_bytes : base + host_delta + e * expert_bytes) + part_bytes;
+    const float* xr = x + (i64)(GU ? r / n_used : r) * stride_x + (s < 0 ? x_miss_delta : 0);
+    constexpr int NR = GU ? 2 * OPW : OPW;
+    const int ib = lane >> 2, qo = 8 + 16 * (lane >> 2) + 4 * (lane & 3);     // sub-block, quant word offset
+    const char* rp[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int o = o0 + (GU ? (i >> 1) : i);
+        const i64 row = GU ? (i64)o + (i & 1) * (i64)n_out : (i64)o;
+        rp[i] = m + (o < n_out ? row : 0) * row_bytes;                // a row past the end reads row 0, unused
+    }
+    float acc[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
+    const int n_sb = n_sub >> 3;
+    const float* xl = xr + 32 * ib + 4 * (lane & 3);
+    for (int sb0 = 0; sb0 < n_sb; sb0 += WUNR) {
+        uint2 hd[WUNR][NR];
+        u32 qw[WUNR][NR];
+#pragma unroll
+        for (int u = 0; u < WUNR; ++u)
+#pragma unroll
+            for (int i = 0; i < NR; ++i)
+                if (sb0 + u < n_sb) {
+                    const char* p = rp[i] + (i64)(sb0 + u) * 136;
+                    hd[u][i] = __ldg((const uint2*)p);
+                    qw[u][i] = __ldg((const u32*)(p + qo));
+                }
+#pragma unroll
+        for (int u = 0; u < WUNR; ++u) {
+            if (sb0 + u < n_sb) {
+                const float4 lo = *(const float4*)(xl + 256 * (sb0 + u));
+                const float4 hi = *(const float4*)(xl + 256 * (sb0 + u) + 16);
+#pragma unroll
+                for (int i = 0; i < NR; ++i) {
+                    const u32 ls = ((hd[u][i].y >> (4 * ib)) & 0xFu) | (((hd[u][i].x >> (16 + 2 * ib)) & 3u) << 4);
+                    const float dl = h2f((u16)(hd[u][i].x & 0xFFFFu)) * (float)((int)ls - 32);
+                    acc[i] = fmaf(dl, iq4_dot(qw[u][i], lo, hi), acc[i]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NR; ++i) acc[i] = warp_sum(acc[i]);
+    if (lane == 0) store_outputs<GU, OPW>(acc, GU ? 1.0f : wts[r], y + (i64)r * stride_y, o0, n_out);
+}
+
+#define EXPERTS_W(NAME, GU, OPW)                                                                                    \
+    extern "C" __global__ void NAME(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,            \
+                                    const int* slot_of, const i64* ids, const float* wts, const float* x, float* y, \
+                                    int n_out, int n_sub, i64 row_bytes, int n_used, int stride_x, int stride_y,   \
+                                    int cpu_share, i64 x_miss_delta) {                                             \
+        iq4xs_experts_w<GU, OPW>(base, host_delta, part_bytes, expert_bytes, slot_of, ids, wts, x, y, n_out, n_sub, \
+                                 row_bytes, n_used, stride_x, stride_y, cpu_share, x_miss_delta);                  \
+    }
+
+#ifndef FLE_ONLY_FFN
+EXPERTS_W(iq4xs_wgu_1, 1, 1)
+EXPERTS_W(iq4xs_wgu_2, 1, 2)
+EXPERTS_W(iq4xs_wgu_4, 1, 4)
+EXPERTS_W(iq4xs_wdn_1, 0, 1)
+EXPERTS_W(iq4xs_wdn_2, 0, 2)
+EXPERTS_W(iq4xs_wdn_4, 0, 4)
+EXPERTS_W(iq4xs_wdn_8, 0, 8)
 #endif
 
 // The routed experts of a T-row step (a verify step's tokens, batched lanes: rows r = t * n_used + k),
