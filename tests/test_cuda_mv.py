@@ -88,6 +88,7 @@ def test_source_compiles(ffn, tmp_path):
     assert (b"iq4xs_ffn_2_4_p1" in names) == ffn and (b"q8_0_mv_2_p0" in names) != ffn
     assert (b"iq4xs_ugu_2" in names) != ffn and (b"iq4xs_udn_8" in names) != ffn
     assert (b"q8_0_ms_2_t3" in names) != ffn and (b"iq4xs_wgu_2" in names) != ffn
+    assert (b"iq4xs_udn_4_w" in names) != ffn
 
 
 def test_off_without_cuda_or_when_asked(monkeypatch):
@@ -533,13 +534,15 @@ def test_union_kernel_switch_and_limits(monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("lanes", ["sub", "word"])
 @pytest.mark.parametrize("config", ["1,4,1,4", "2,4,4,4", "4,2,8,1"])
 @pytest.mark.parametrize("share,rounded", [(0, False), (128, False), (0, True), (256, True), (100, False)])
-def test_union_experts_against_reference(config, share, rounded, monkeypatch):
-    """The T-row step's experts in the CUDA C union kernel (each distinct expert read once for its
-    rows, misses over PCIe, runtime.split's union rule for the CPU's share, rounded activations of
-    misses) equal experts_union_ref, and the routing repeats experts across tokens; launched twice
-    in a captured graph on new routing too."""
+def test_union_experts_against_reference(lanes, config, share, rounded, monkeypatch):
+    """The T-row step's experts in the CUDA C union kernel, a lane per sub-block or per quant word
+    (each distinct expert read once for its rows, misses over PCIe, runtime.split's union rule for
+    the CPU's share, rounded activations of misses) equal experts_union_ref, and the routing repeats
+    experts across tokens; launched twice in a captured graph on new routing too."""
+    monkeypatch.setenv("FLE_CUDA_MV_EXPERTS", lanes)
     monkeypatch.setenv("FLE_CUDA_MV_CONFIG", config)
     monkeypatch.setenv("FLE_CUDA_MV_UNION", "1")
     c = _experts_setup(0, rounded, n_embd=2304)

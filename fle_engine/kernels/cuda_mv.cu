@@ -406,24 +406,18 @@ EXPERTS_W(iq4xs_wdn_8, 0, 8)
 // down rows written as zeros).
 #define UMAX 16
 #define UT 4
+// The union kernels' common part for routed row r (the block's y): -1 when an earlier row routes
+// to the same expert (that row's blocks compute it), -2 when the expert is a miss that the CPU
+// takes (its down rows written as zeros here), else the number of rows routed to it (up to UMAX),
+// listed in order in rows[] (the same list in every lane).
 template <int GU, int OPW>
-__device__ __forceinline__ void iq4xs_union(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,
-                                            const int* slot_of, const i64* ids, const float* wts, const float* x,
-                                            float* y, int n_out, int n_sub, i64 row_bytes, int n_used,
-                                            int stride_x, int stride_y, int cpu_share, i64 x_miss_delta, int n_rows) {
-    grid_wait();
-    grid_release();
-    const int lane = threadIdx.x & 31;
-    const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
-    if (o0 >= n_out) return;
-    const int r = blockIdx.y;
+__device__ __forceinline__ int union_rows(const int* slot_of, const i64* ids, float* y, int n_out, int stride_y,
+                                          int cpu_share, int n_rows, int r, int o0, int lane, int (&rows)[UMAX]) {
     const i64 e = ids[r];
     // owner: no earlier row routes to e
     bool earlier = false;
     for (int j = lane; j < r; j += 32) earlier |= ids[j] == e;
-    if (__any_sync(0xFFFFFFFFu, earlier)) return;
-    // e's rows, in order (the same list in every lane)
-    int rows[UMAX];
+    if (__any_sync(0xFFFFFFFFu, earlier)) return -1;
     int cnt = 0;
     for (int j0 = r; j0 < n_rows; j0 += 32) {
         const int j = j0 + lane;
@@ -435,9 +429,8 @@ __device__ __forceinline__ void iq4xs_union(const char* base, i64 host_delta, i6
             ++cnt;
         }
     }
-    cnt = cnt < UMAX ? cnt : UMAX;          // cuda_mv.py gives this kernel no step with more
-    const int s = slot_of[e];
-    if (cpu_share > 0 && s < 0) {
+    cnt = cnt < UMAX ? cnt : UMAX;          // cuda_mv.py gives these kernels no step with more
+    if (cpu_share > 0 && slot_of[e] < 0) {
         // distinct missed experts: rows that are the first of their expert and miss; e's place among them
         int n_d = 0, before = 0;
         for (int j0 = 0; j0 < n_rows; j0 += 32) {
@@ -457,9 +450,28 @@ __device__ __forceinline__ void iq4xs_union(const char* base, i64 host_delta, i6
         if (before >= n_d - n_cpu) {
             if (!GU && lane < OPW && o0 + lane < n_out)
                 for (int q = 0; q < cnt; ++q) y[(i64)rows[q] * stride_y + o0 + lane] = 0.0f;
-            return;
+            return -2;
         }
     }
+    return cnt;
+}
+
+template <int GU, int OPW>
+__device__ __forceinline__ void iq4xs_union(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,
+                                            const int* slot_of, const i64* ids, const float* wts, const float* x,
+                                            float* y, int n_out, int n_sub, i64 row_bytes, int n_used,
+                                            int stride_x, int stride_y, int cpu_share, i64 x_miss_delta, int n_rows) {
+    grid_wait();
+    grid_release();
+    const int lane = threadIdx.x & 31;
+    const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
+    if (o0 >= n_out) return;
+    const int r = blockIdx.y;
+    int rows[UMAX];
+    const int cnt = union_rows<GU, OPW>(slot_of, ids, y, n_out, stride_y, cpu_share, n_rows, r, o0, lane, rows);
+    if (cnt < 0) return;
+    const i64 e = ids[r];
+    const int s = slot_of[e];
     const char* ex = (s >= 0) ? base + (i64)s * expert_bytes : base + host_delta + e * expert_bytes;
     const char* m = ex + part_bytes;
     const i64 xd = s < 0 ? x_miss_delta : 0;
@@ -507,13 +519,90 @@ __device__ __forceinline__ void iq4xs_union(const char* base, i64 host_delta, i6
     }
 }
 
-#define UNION(NAME, GU, OPW)                                                                                        \
+// The union kernel with a lane per quant word (FLE_CUDA_MV_EXPERTS=word; iq4xs_experts_w's layout):
+// a super-block's weights loaded once for UT rows, each row's activations two contiguous loads.
+template <int GU, int OPW>
+__device__ __forceinline__ void iq4xs_union_w(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,
+                                              const int* slot_of, const i64* ids, const float* wts, const float* x,
+                                              float* y, int n_out, int n_sub, i64 row_bytes, int n_used,
+                                              int stride_x, int stride_y, int cpu_share, i64 x_miss_delta,
+                                              int n_rows) {
+    grid_wait();
+    grid_release();
+    const int lane = threadIdx.x & 31;
+    const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
+    if (o0 >= n_out) return;
+    const int r = blockIdx.y;
+    int rows[UMAX];
+    const int cnt = union_rows<GU, OPW>(slot_of, ids, y, n_out, stride_y, cpu_share, n_rows, r, o0, lane, rows);
+    if (cnt < 0) return;
+    const i64 e = ids[r];
+    const int s = slot_of[e];
+    const char* m = ((s >= 0) ? base + (i64)s * expert_bytes : base + host_delta + e * expert_bytes) + part_bytes;
+    const i64 xd = (s < 0 ? x_miss_delta : 0) + 32 * (lane >> 2) + 4 * (lane & 3);
+    constexpr int NR = GU ? 2 * OPW : OPW;
+    const int ib = lane >> 2, qo = 8 + 16 * (lane >> 2) + 4 * (lane & 3);
+    const char* rp[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int o = o0 + (GU ? (i >> 1) : i);
+        const i64 row = GU ? (i64)o + (i & 1) * (i64)n_out : (i64)o;
+        rp[i] = m + (o < n_out ? row : 0) * row_bytes;
+    }
+    const int n_sb = n_sub >> 3;
+    for (int g = 0; g < cnt; g += UT) {
+        const int ng = cnt - g < UT ? cnt - g : UT;
+        const float* xr[UT];
+#pragma unroll
+        for (int q = 0; q < UT; ++q) {
+            const int row = rows[g + (q < ng ? q : 0)];
+            xr[q] = x + (i64)(GU ? row / n_used : row) * stride_x + xd;
+        }
+        float acc[UT][NR];
+#pragma unroll
+        for (int q = 0; q < UT; ++q)
+#pragma unroll
+            for (int i = 0; i < NR; ++i) acc[q][i] = 0.0f;
+        for (int sb = 0; sb < n_sb; ++sb) {
+            float dl[NR];
+            u32 qw[NR];
+#pragma unroll
+            for (int i = 0; i < NR; ++i) {
+                const char* p = rp[i] + (i64)sb * 136;
+                const uint2 hd = __ldg((const uint2*)p);
+                qw[i] = __ldg((const u32*)(p + qo));
+                const u32 ls = ((hd.y >> (4 * ib)) & 0xFu) | (((hd.x >> (16 + 2 * ib)) & 3u) << 4);
+                dl[i] = h2f((u16)(hd.x & 0xFFFFu)) * (float)((int)ls - 32);
+            }
+#pragma unroll
+            for (int q = 0; q < UT; ++q) {
+                if (q < ng) {
+                    const float4 lo = *(const float4*)(xr[q] + 256 * sb);
+                    const float4 hi = *(const float4*)(xr[q] + 256 * sb + 16);
+#pragma unroll
+                    for (int i = 0; i < NR; ++i) acc[q][i] = fmaf(dl[i], iq4_dot(qw[i], lo, hi), acc[q][i]);
+                }
+            }
+        }
+        warp_sum_all(acc);
+        if (lane == 0) {
+#pragma unroll
+            for (int q = 0; q < UT; ++q)
+                if (q < ng)
+                    store_outputs<GU, OPW>(acc[q], GU ? 1.0f : wts[rows[g + q]], y + (i64)rows[g + q] * stride_y, o0,
+                                           n_out);
+        }
+    }
+}
+
+#define UNION(NAME, GU, OPW) UNION_K(NAME, iq4xs_union, GU, OPW) UNION_K(NAME##_w, iq4xs_union_w, GU, OPW)
+#define UNION_K(NAME, FN, GU, OPW)                                                                                  \
     extern "C" __global__ void NAME(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,            \
                                     const int* slot_of, const i64* ids, const float* wts, const float* x, float* y, \
                                     int n_out, int n_sub, i64 row_bytes, int n_used, int stride_x, int stride_y,   \
                                     int cpu_share, i64 x_miss_delta, int n_rows) {                                 \
-        iq4xs_union<GU, OPW>(base, host_delta, part_bytes, expert_bytes, slot_of, ids, wts, x, y, n_out, n_sub,    \
-                             row_bytes, n_used, stride_x, stride_y, cpu_share, x_miss_delta, n_rows);              \
+        FN<GU, OPW>(base, host_delta, part_bytes, expert_bytes, slot_of, ids, wts, x, y, n_out, n_sub, row_bytes,   \
+                    n_used, stride_x, stride_y, cpu_share, x_miss_delta, n_rows);                                   \
     }
 
 #ifndef FLE_ONLY_FFN

@@ -426,7 +426,8 @@ def experts_union(words: Tensor, qtype: GGMLType, host_delta: int, part_words: i
     if reads is not None:
         raise FleError("internal: the CUDA C union kernel keeps no read log (union_supported refuses it)")
     # the miss mode's launch shapes, without loads-first (the kernel has none)
-    return _experts_launch("iq4xs_u{kind}_{rows}", words, host_delta, part_words, expert_words, n_out, row_bytes,
+    kernel = "iq4xs_u{kind}_{rows}_w" if expert_word_lanes() else "iq4xs_u{kind}_{rows}"
+    return _experts_launch(kernel, words, host_delta, part_words, expert_words, n_out, row_bytes,
                            slot_of, ids, x, out, gate_up, n_used, weights, "miss", cpu_share, x_miss,
                            (ctypes.c_int(ids.shape[0]),))
 
