@@ -210,8 +210,10 @@ def _q4_singles(path, pos: int, feed: list[int]):
 def _q4_verify(path, pos: int, n_tok: int, ops_wrap=None):
     """A verify step of ``n_tok`` tokens at position ``pos``: (fed tokens,
     greedy tokens, logits, the QSA layer's block masks [T, NB], its block
-    keys)."""
-    eng = _engine(path)
+    keys). The prompt runs one token per step (``prompt_rows=1``): on CUDA a
+    T-row graph captured at load would keep the ops from before ``ops_wrap``,
+    and the 4-token step would replay it unwrapped."""
+    eng = _engine(path, prompt_rows=1)
     g = eng.generate(_long(pos), 1)
     if ops_wrap is not None:
         eng.ops = ops_wrap(eng.ops)
