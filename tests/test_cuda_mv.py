@@ -335,9 +335,13 @@ def test_fused_variable_is_checked(value, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("kind", ["word", "stage"])
 @pytest.mark.parametrize("rows,warps", [(1, 4), (2, 4), (4, 2), (2, 1)])
 @pytest.mark.parametrize("n_out,n_in", [(37, 256), (130, 2048), (9, 64)])
-def test_dense_q8_0_against_reference(rows, warps, n_out, n_in, monkeypatch):
+def test_dense_q8_0_against_reference(kind, rows, warps, n_out, n_in, monkeypatch):
+    """Both Q8_0 kernels (64 inputs: 2 blocks, not a multiple of 8, so the staged one's rows go to
+    the one-block-per-lane kernel)."""
+    monkeypatch.setenv("FLE_CUDA_MV_DENSE", kind)
     monkeypatch.setenv("FLE_CUDA_MV_CONFIG", f"1,4,1,4,{rows},{warps}")
     _dense_case(n_out, n_in)
 
@@ -360,7 +364,8 @@ def _dense_case(n_out, n_in, n_tok=1, pad=0):
 @pytest.mark.parametrize("n_out,n_in,pad", [(37, 256, 0), (130, 2048, 4), (9, 4160, 8)])
 def test_dense_several_rows_against_reference(n_tok, rows, warps, n_out, n_in, pad, monkeypatch):
     """Dense products of 2..4 activation rows in one launch (each weight block read once), rows
-    contiguous or strided."""
+    contiguous or strided: the one-block-per-lane kernel (the staged one's test is below)."""
+    monkeypatch.setenv("FLE_CUDA_MV_DENSE", "word")
     monkeypatch.setenv("FLE_CUDA_MV_DENSE_T", "4")
     monkeypatch.setenv("FLE_CUDA_MV_CONFIG", f"1,4,1,4,{rows},{warps}")
     _dense_case(n_out, n_in, n_tok, pad)
@@ -431,6 +436,7 @@ def test_several_rows_up_to_the_measured_limit(monkeypatch):
 @pytest.mark.parametrize("pdl", ["0", "1"])
 @pytest.mark.parametrize("n_out,n_in", [(37, 4160), (130, 2048)])
 def test_dense_loads_first_and_pdl(pre, pdl, n_out, n_in, monkeypatch):
+    monkeypatch.setenv("FLE_CUDA_MV_DENSE", "word" if pre else "stage")     # loads first: the word kernel's
     monkeypatch.setenv("FLE_CUDA_MV_CONFIG", "1,4,1,4,2,2")
     monkeypatch.setenv("FLE_CUDA_MV_PRE", f"0,0,{pre}")
     monkeypatch.setenv("FLE_PDL", pdl)

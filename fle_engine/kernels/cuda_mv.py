@@ -86,10 +86,15 @@ _SYNC_WORDS = 4096        # the fused launch's counters: a ticket, a done count,
 # 2,2 took 9.5 us for 5120 x 2048 and 2048 x 4096 (Triton 10.6 and 13.2), 4,2 143 us for the
 # 151936 x 2048 output matrix (Triton 194).
 DENSE_CONFIG = ((2, 2, 0), (4, 2, 0))
-# FLE_CUDA_MV_DENSE when unset: "word" (the kernel above: a lane per 34-byte block, its weights and
-# activations loaded straight from global memory) or "stage" (rows copied into shared memory with
-# 16-byte copies, four values per lane: cuda_mv.cu's q8_0_mvs; the same launch shapes).
-DENSE_DEFAULT = "word"
+# FLE_CUDA_MV_DENSE when unset: "stage" (rows copied into shared memory with 16-byte copies, four
+# values per lane: cuda_mv.cu's q8_0_mvs) or "word" (the kernel above: a lane per 34-byte block, its
+# weights and activations loaded straight from global memory). On an H100 (2026-12-07 18:46,
+# docs/benchmarks.md) the staged kernel took 9.9 / 8.6 / 129 us for qkv / wo / the output matrix at
+# T = 1 against 10.5 / 10.0 / 153, and 12.3 / 15.4 us for qkv / wo at T = 3 against 21.1 / 19.4.
+DENSE_DEFAULT = "stage"
+# its (rows per warp, warps per block): [T > 1][n_out >= DENSE_LARGE], the best measured shape of each
+# (1,8 and 2,8 at T = 1; 2,2 for 2..4 rows; the output matrix at T > 1 was not timed: 2,8)
+STAGE_CONFIG = (((1, 8), (2, 8)), ((2, 2), (2, 8)))
 _Q8S_CHUNK = 128          # blocks of each row staged at once (cuda_mv.cu's Q8S_CHUNK)
 DENSE_LARGE = 32768
 _DENSE_ROWS = (1, 2, 4)
@@ -528,7 +533,12 @@ def dense(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> Tensor:
     ``[n_out, row_bytes]``), T up to 4; callers check :func:`dense_supported`."""
     env, env_pre = _env_config(), _env_pre()
     n_out = w.shape[0]
-    rows, warps, pre = DENSE_CONFIG[n_out >= DENSE_LARGE]
+    staged = dense_staged(w)
+    if staged:
+        rows, warps = STAGE_CONFIG[x.shape[0] > 1][n_out >= DENSE_LARGE]
+        pre = 0
+    else:
+        rows, warps, pre = DENSE_CONFIG[n_out >= DENSE_LARGE]
     if env and len(env) == 6:
         rows, warps = env[4], env[5]
     if env_pre:
@@ -539,7 +549,7 @@ def dense(w: Tensor, qtype: GGMLType, x: Tensor, out: Tensor) -> Tensor:
     n_blocks = row_bytes // _Q8_BLOCK
     n_tok = x.shape[0]
     shared = 0
-    if dense_staged(w):                 # rows through shared memory (cuda_mv.cu's q8_0_mvs)
+    if staged:                          # rows through shared memory (cuda_mv.cu's q8_0_mvs)
         name = f"q8_0_ms_{rows}_t{n_tok}"
         shared = warps * rows * min(n_blocks, _Q8S_CHUNK) * _Q8_BLOCK + 16
     elif n_tok == 1:
