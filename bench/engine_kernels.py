@@ -438,8 +438,7 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
     for name, smap in maps.items():
         layer(te, smap, 0, "miss")
         ref = y.clone()
-        for impl, label in ((cuda_mv, "CUDA C"), ("fused", "CUDA C, one launch"), (cuda_mv, "CUDA C, word lanes")):
-            os.environ["FLE_CUDA_MV_EXPERTS"] = "word" if "word" in label else "sub"
+        for impl, label in ((cuda_mv, "CUDA C"), ("fused", "CUDA C, one launch")):
             y.zero_()
             layer(impl, smap, 0, "miss")
             err = float((y - ref).abs().max() / ref.abs().max())
@@ -457,11 +456,7 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
     configs += [("fused", c, None, "0") for c in ("2,4,4,0", "2,4,4,1", "2,4,4,2", "2,8,4,1", "2,8,4,2",
                                                   "4,8,4,1", "2,4,8,1", "2,4,2,1", "4,8,2,1")]
     configs += [("fused", c, None, "1") for c in ("2,4,4,1", "2,8,4,1")]
-    # a lane per quant word (FLE_CUDA_MV_EXPERTS=word), per shape
-    configs += [("word", c, "0,0,0", "0") for c in ("2,4,4,4", "1,4,2,4", "2,2,4,2", "4,4,8,4", "1,8,2,8",
-                                                    "2,8,4,8")]
     for impl_name, cfg, pre, pdl in configs:
-        os.environ["FLE_CUDA_MV_EXPERTS"] = "word" if impl_name == "word" else "sub"
         if impl_name == "fused":
             os.environ["FLE_CUDA_MV_FFN"] = cfg
         elif cfg:
@@ -487,7 +482,7 @@ def cuda_bench(n_expert=128, n_ff=768, n_embd=2048, k=8, groups=16) -> dict:
             row[f"hit_{part}_us"] = t * 1e6
         res["experts"].append(row)
         print(row, flush=True)
-    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL", "FLE_CUDA_MV_FFN", "FLE_CUDA_MV_EXPERTS"):
+    for name in ("FLE_CUDA_MV_CONFIG", "FLE_CUDA_MV_PRE", "FLE_PDL", "FLE_CUDA_MV_FFN"):
         os.environ.pop(name, None)
     # a small elementwise kernel in front of every dense product, as in the decode step (a norm, the
     # attention): a kernel launched with programmatic dependent launch overlaps only the end of it;
@@ -642,8 +637,7 @@ def main(argv=None) -> int:
         hbm, pin = res["ceilings"]["hbm_copy_GBps"], res["ceilings"]["pinned_h2d_GBps"]
         for name, ceil, unit in (("hit", hbm, "of the device copy"), ("one miss", hbm, "of the device copy"),
                                  ("miss", pin, "of the pinned copy")):
-            for impl, pdl in (("triton", False), ("cuda", False), ("cuda", True), ("fused", False), ("fused", True),
-                              ("word", False)):
+            for impl, pdl in (("triton", False), ("cuda", False), ("cuda", True), ("fused", False), ("fused", True)):
                 rs = [r for r in res["experts"] if r["impl"] == impl and r["pdl"] == pdl]
                 b = min(rs, key=lambda r: r[name + "_us"])
                 print(f"experts, {name}: {impl}{' pdl' if pdl else ''} best {b['config']} pre {b['pre']} "

@@ -87,8 +87,7 @@ def test_source_compiles(ffn, tmp_path):
     names = (tmp_path / "k.cubin").read_bytes()           # the ELF's string table holds the kernels' names
     assert (b"iq4xs_ffn_2_4_p1" in names) == ffn and (b"q8_0_mv_2_p0" in names) != ffn
     assert (b"iq4xs_ugu_2" in names) != ffn and (b"iq4xs_udn_8" in names) != ffn
-    assert (b"q8_0_ms_2_t3" in names) != ffn and (b"iq4xs_wgu_2" in names) != ffn
-    assert (b"iq4xs_udn_4_w" in names) != ffn
+    assert (b"q8_0_ms_2_t3" in names) != ffn and (b"q8_0_mv_2_p0_t3" in names) != ffn
 
 
 def test_off_without_cuda_or_when_asked(monkeypatch):
@@ -207,35 +206,6 @@ def _ffn_check(c, h, y):
 def test_experts_against_reference(config, share, rounded, monkeypatch):
     monkeypatch.setenv("FLE_CUDA_MV_CONFIG", config)
     _experts_case(share, rounded)
-
-
-@gpu
-@pytest.mark.parametrize("config", ["1,4,1,4", "2,4,4,4", "4,2,8,1", "1,1,2,2"])
-@pytest.mark.parametrize("share,rounded,n_embd,pdl", [(0, False, 512, "0"), (128, False, 2304, "0"),
-                                                      (0, True, 2304, "1"), (256, False, 512, "0")])
-def test_word_lane_experts_against_reference(config, share, rounded, n_embd, pdl, monkeypatch):
-    """The lane-per-quant-word kernel: rows of 2 and 9 super-blocks (an odd count: the last step
-    of two has one), down rows of 1, warps with rows past the end, misses, the CPU's share (all of
-    the misses at 256), rounded activations of misses, with and without PDL."""
-    monkeypatch.setenv("FLE_CUDA_MV_EXPERTS", "word")
-    monkeypatch.setenv("FLE_CUDA_MV_CONFIG", config)
-    monkeypatch.setenv("FLE_PDL", pdl)
-    _experts_case(share, rounded, n_embd)
-
-
-def test_expert_lanes_variable_and_hit_mode(monkeypatch):
-    """FLE_CUDA_MV_EXPERTS is checked; with word lanes the hit mode takes the CUDA C kernel too."""
-    monkeypatch.setenv("FLE_CUDA_MV_EXPERTS", "rows")
-    with pytest.raises(FleError, match="FLE_CUDA_MV_EXPERTS='rows'"):
-        cuda_mv.expert_word_lanes()
-    monkeypatch.setenv("FLE_CUDA_MV_EXPERTS", "word")
-    monkeypatch.delenv("FLE_CUDA_MV_CONFIG", raising=False)
-    assert cuda_mv.expert_word_lanes()
-    assert cuda_mv._expert_config(True, "hit") == cuda_mv.WORD_CONFIG["hit"][0]
-    if CUDA:
-        words = torch.zeros(1024, dtype=torch.int32, device="cuda")
-        x, out = torch.zeros(1, 256, device="cuda"), torch.zeros(1, 8, device="cuda")
-        assert cuda_mv.experts_supported(words, GGMLType.IQ4_XS, x, out, None, 1088, 544, mode="hit")
 
 
 @gpu
@@ -386,23 +356,12 @@ def test_dense_staged_against_reference(n_tok, rows, warps, n_out, n_in, pad, mo
 
 
 @gpu
-def test_dense_staged_in_a_graph_and_where_it_applies(monkeypatch):
-    """Captured and replayed on new activations it equals the reference; rows whose block count is
-    not a multiple of 8, or a matrix not 16-byte aligned, take the one-block-per-lane kernel."""
+def test_dense_staged_where_it_applies(monkeypatch):
+    """Rows whose block count is not a multiple of 8, or a matrix not 16-byte aligned, take the
+    one-block-per-lane kernel (test_captured_in_a_graph runs the staged one in a graph)."""
     monkeypatch.setenv("FLE_CUDA_MV_DENSE", "stage")
-    rng = np.random.default_rng(2)
-    w = torch.from_numpy(quantize(rng.standard_normal((96, 2048)).astype(np.float32), GGMLType.Q8_0)).cuda()
+    w = torch.zeros(4, 2176, dtype=torch.uint8, device="cuda")
     assert cuda_mv.dense_staged(w)
-    x = torch.randn(1, 2048, device="cuda")
-    out = torch.zeros(1, 96, device="cuda")
-    cuda_mv.dense(w, GGMLType.Q8_0, x, out)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        cuda_mv.dense(w, GGMLType.Q8_0, x, out)
-    x.copy_(torch.randn(1, 2048, device="cuda"))
-    g.replay()
-    torch.cuda.synchronize()
-    _close(out.cpu(), reference.mul_mat(w.cpu(), GGMLType.Q8_0, x.cpu()))
     odd = torch.zeros(4, 130 * 34, dtype=torch.uint8, device="cuda")
     assert not cuda_mv.dense_staged(odd)
     buf = torch.zeros(4 * 2176 + 4, dtype=torch.uint8, device="cuda")
@@ -506,7 +465,11 @@ def test_pdl_chain_in_a_graph(monkeypatch):
 
 
 @gpu
-def test_captured_in_a_graph():
+@pytest.mark.parametrize("kind", ["word", "stage"])
+def test_captured_in_a_graph(kind, monkeypatch):
+    """Either Q8_0 kernel captured, then replayed on new activations, equals the reference."""
+    monkeypatch.setenv("FLE_CUDA_MV_DENSE", kind)
+    assert cuda_mv.DENSE_DEFAULT == "stage"
     rng = np.random.default_rng(1)
     w = torch.from_numpy(quantize(rng.standard_normal((64, 512)).astype(np.float32), GGMLType.Q8_0)).cuda()
     x = torch.randn(1, 512, device="cuda")
@@ -540,15 +503,13 @@ def test_union_kernel_switch_and_limits(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("lanes", ["sub", "word"])
 @pytest.mark.parametrize("config", ["1,4,1,4", "2,4,4,4", "4,2,8,1"])
 @pytest.mark.parametrize("share,rounded", [(0, False), (128, False), (0, True), (256, True), (100, False)])
-def test_union_experts_against_reference(lanes, config, share, rounded, monkeypatch):
-    """The T-row step's experts in the CUDA C union kernel, a lane per sub-block or per quant word
-    (each distinct expert read once for its rows, misses over PCIe, runtime.split's union rule for
-    the CPU's share, rounded activations of misses) equal experts_union_ref, and the routing repeats
-    experts across tokens; launched twice in a captured graph on new routing too."""
-    monkeypatch.setenv("FLE_CUDA_MV_EXPERTS", lanes)
+def test_union_experts_against_reference(config, share, rounded, monkeypatch):
+    """The T-row step's experts in the CUDA C union kernel (each distinct expert read once for its
+    rows, misses over PCIe, runtime.split's union rule for the CPU's share, rounded activations of
+    misses) equal experts_union_ref, and the routing repeats experts across tokens; launched twice
+    in a captured graph on new routing too."""
     monkeypatch.setenv("FLE_CUDA_MV_CONFIG", config)
     monkeypatch.setenv("FLE_CUDA_MV_UNION", "1")
     c = _experts_setup(0, rounded, n_embd=2304)

@@ -305,98 +305,6 @@ EXPERTS_PRE(dn, 0, 4)
 EXPERTS_PRE(dn, 0, 8)
 #endif
 
-// The same product with a lane per quant word ("word" lanes, FLE_CUDA_MV_EXPERTS=word): the warp
-// walks a row one super-block (256 values) at a time, lane L on word L % 4 of sub-block L / 4 (its
-// 8 values: 4 low nibbles, 4 high ones), so that a row's 128 quant bytes are one 4-byte load per
-// lane (consecutive lanes, consecutive words), the super-block's 8-byte head one load that every
-// lane shares, and the activations two 16-byte loads per lane that cover 1 KB of x together. The
-// kernel above gives a lane a whole sub-block: its 32 activations are 8 loads with lanes 128 bytes
-// apart, so that each of them touches 32 cache lines. UNR super-blocks' weights are loaded before
-// their products.
-#define WUNR 2
-template <int GU, int OPW>
-__device__ __forceinline__ void iq4xs_experts_w(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,
-                                                const int* slot_of, const i64* ids, const float* wts, const float* x,
-                                                float* y, int n_out, int n_sub, i64 row_bytes, int n_used,
-                                                int stride_x, int stride_y, int cpu_share, i64 x_miss_delta) {
-    grid_wait();
-    grid_release();
-    const int lane = threadIdx.x & 31;
-    const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
-    if (o0 >= n_out) return;
-    const int r = blockIdx.y;
-    const i64 e = ids[r];
-    const int s = slot_of[e];
-    if (cpu_share > 0 && s < 0 && cpu_owned(slot_of, ids, r, n_used, cpu_share)) {
-        if (!GU && lane < OPW && o0 + lane < n_out) y[(i64)r * stride_y + o0 + lane] = 0.0f;
-        return;
-    }
-    const char* m = ((s >= 0) ? base + (i64)s * expert_bytes : base + host_delta + e * expert_bytes) + part_bytes;
-    const float* xr = x + (i64)(GU ? r / n_used : r) * stride_x + (s < 0 ? x_miss_delta : 0);
-    constexpr int NR = GU ? 2 * OPW : OPW;
-    const int ib = lane >> 2, qo = 8 + 16 * (lane >> 2) + 4 * (lane & 3);     // sub-block, quant word offset
-    const char* rp[NR];
-#pragma unroll
-    for (int i = 0; i < NR; ++i) {
-        const int o = o0 + (GU ? (i >> 1) : i);
-        const i64 row = GU ? (i64)o + (i & 1) * (i64)n_out : (i64)o;
-        rp[i] = m + (o < n_out ? row : 0) * row_bytes;                // a row past the end reads row 0, unused
-    }
-    float acc[NR];
-#pragma unroll
-    for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
-    const int n_sb = n_sub >> 3;
-    const float* xl = xr + 32 * ib + 4 * (lane & 3);
-    for (int sb0 = 0; sb0 < n_sb; sb0 += WUNR) {
-        uint2 hd[WUNR][NR];
-        u32 qw[WUNR][NR];
-#pragma unroll
-        for (int u = 0; u < WUNR; ++u)
-#pragma unroll
-            for (int i = 0; i < NR; ++i)
-                if (sb0 + u < n_sb) {
-                    const char* p = rp[i] + (i64)(sb0 + u) * 136;
-                    hd[u][i] = __ldg((const uint2*)p);
-                    qw[u][i] = __ldg((const u32*)(p + qo));
-                }
-#pragma unroll
-        for (int u = 0; u < WUNR; ++u) {
-            if (sb0 + u < n_sb) {
-                const float4 lo = *(const float4*)(xl + 256 * (sb0 + u));
-                const float4 hi = *(const float4*)(xl + 256 * (sb0 + u) + 16);
-#pragma unroll
-                for (int i = 0; i < NR; ++i) {
-                    const u32 ls = ((hd[u][i].y >> (4 * ib)) & 0xFu) | (((hd[u][i].x >> (16 + 2 * ib)) & 3u) << 4);
-                    const float dl = h2f((u16)(hd[u][i].x & 0xFFFFu)) * (float)((int)ls - 32);
-                    acc[i] = fmaf(dl, iq4_dot(qw[u][i], lo, hi), acc[i]);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < NR; ++i) acc[i] = warp_sum(acc[i]);
-    if (lane == 0) store_outputs<GU, OPW>(acc, GU ? 1.0f : wts[r], y + (i64)r * stride_y, o0, n_out);
-}
-
-#define EXPERTS_W(NAME, GU, OPW)                                                                                    \
-    extern "C" __global__ void NAME(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,            \
-                                    const int* slot_of, const i64* ids, const float* wts, const float* x, float* y, \
-                                    int n_out, int n_sub, i64 row_bytes, int n_used, int stride_x, int stride_y,   \
-                                    int cpu_share, i64 x_miss_delta) {                                             \
-        iq4xs_experts_w<GU, OPW>(base, host_delta, part_bytes, expert_bytes, slot_of, ids, wts, x, y, n_out, n_sub, \
-                                 row_bytes, n_used, stride_x, stride_y, cpu_share, x_miss_delta);                  \
-    }
-
-#ifndef FLE_ONLY_FFN
-EXPERTS_W(iq4xs_wgu_1, 1, 1)
-EXPERTS_W(iq4xs_wgu_2, 1, 2)
-EXPERTS_W(iq4xs_wgu_4, 1, 4)
-EXPERTS_W(iq4xs_wdn_1, 0, 1)
-EXPERTS_W(iq4xs_wdn_2, 0, 2)
-EXPERTS_W(iq4xs_wdn_4, 0, 4)
-EXPERTS_W(iq4xs_wdn_8, 0, 8)
-#endif
-
 // The routed experts of a T-row step (a verify step's tokens, batched lanes: rows r = t * n_used + k),
 // each distinct expert read once for every row routed to it (triton_engine.experts_union's rule):
 // the blocks of row r compute only when r is the first row of its expert, then for all of that
@@ -519,90 +427,13 @@ __device__ __forceinline__ void iq4xs_union(const char* base, i64 host_delta, i6
     }
 }
 
-// The union kernel with a lane per quant word (FLE_CUDA_MV_EXPERTS=word; iq4xs_experts_w's layout):
-// a super-block's weights loaded once for UT rows, each row's activations two contiguous loads.
-template <int GU, int OPW>
-__device__ __forceinline__ void iq4xs_union_w(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,
-                                              const int* slot_of, const i64* ids, const float* wts, const float* x,
-                                              float* y, int n_out, int n_sub, i64 row_bytes, int n_used,
-                                              int stride_x, int stride_y, int cpu_share, i64 x_miss_delta,
-                                              int n_rows) {
-    grid_wait();
-    grid_release();
-    const int lane = threadIdx.x & 31;
-    const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OPW;
-    if (o0 >= n_out) return;
-    const int r = blockIdx.y;
-    int rows[UMAX];
-    const int cnt = union_rows<GU, OPW>(slot_of, ids, y, n_out, stride_y, cpu_share, n_rows, r, o0, lane, rows);
-    if (cnt < 0) return;
-    const i64 e = ids[r];
-    const int s = slot_of[e];
-    const char* m = ((s >= 0) ? base + (i64)s * expert_bytes : base + host_delta + e * expert_bytes) + part_bytes;
-    const i64 xd = (s < 0 ? x_miss_delta : 0) + 32 * (lane >> 2) + 4 * (lane & 3);
-    constexpr int NR = GU ? 2 * OPW : OPW;
-    const int ib = lane >> 2, qo = 8 + 16 * (lane >> 2) + 4 * (lane & 3);
-    const char* rp[NR];
-#pragma unroll
-    for (int i = 0; i < NR; ++i) {
-        const int o = o0 + (GU ? (i >> 1) : i);
-        const i64 row = GU ? (i64)o + (i & 1) * (i64)n_out : (i64)o;
-        rp[i] = m + (o < n_out ? row : 0) * row_bytes;
-    }
-    const int n_sb = n_sub >> 3;
-    for (int g = 0; g < cnt; g += UT) {
-        const int ng = cnt - g < UT ? cnt - g : UT;
-        const float* xr[UT];
-#pragma unroll
-        for (int q = 0; q < UT; ++q) {
-            const int row = rows[g + (q < ng ? q : 0)];
-            xr[q] = x + (i64)(GU ? row / n_used : row) * stride_x + xd;
-        }
-        float acc[UT][NR];
-#pragma unroll
-        for (int q = 0; q < UT; ++q)
-#pragma unroll
-            for (int i = 0; i < NR; ++i) acc[q][i] = 0.0f;
-        for (int sb = 0; sb < n_sb; ++sb) {
-            float dl[NR];
-            u32 qw[NR];
-#pragma unroll
-            for (int i = 0; i < NR; ++i) {
-                const char* p = rp[i] + (i64)sb * 136;
-                const uint2 hd = __ldg((const uint2*)p);
-                qw[i] = __ldg((const u32*)(p + qo));
-                const u32 ls = ((hd.y >> (4 * ib)) & 0xFu) | (((hd.x >> (16 + 2 * ib)) & 3u) << 4);
-                dl[i] = h2f((u16)(hd.x & 0xFFFFu)) * (float)((int)ls - 32);
-            }
-#pragma unroll
-            for (int q = 0; q < UT; ++q) {
-                if (q < ng) {
-                    const float4 lo = *(const float4*)(xr[q] + 256 * sb);
-                    const float4 hi = *(const float4*)(xr[q] + 256 * sb + 16);
-#pragma unroll
-                    for (int i = 0; i < NR; ++i) acc[q][i] = fmaf(dl[i], iq4_dot(qw[i], lo, hi), acc[q][i]);
-                }
-            }
-        }
-        warp_sum_all(acc);
-        if (lane == 0) {
-#pragma unroll
-            for (int q = 0; q < UT; ++q)
-                if (q < ng)
-                    store_outputs<GU, OPW>(acc[q], GU ? 1.0f : wts[rows[g + q]], y + (i64)rows[g + q] * stride_y, o0,
-                                           n_out);
-        }
-    }
-}
-
-#define UNION(NAME, GU, OPW) UNION_K(NAME, iq4xs_union, GU, OPW) UNION_K(NAME##_w, iq4xs_union_w, GU, OPW)
-#define UNION_K(NAME, FN, GU, OPW)                                                                                  \
+#define UNION(NAME, GU, OPW)                                                                                        \
     extern "C" __global__ void NAME(const char* base, i64 host_delta, i64 part_bytes, i64 expert_bytes,            \
                                     const int* slot_of, const i64* ids, const float* wts, const float* x, float* y, \
                                     int n_out, int n_sub, i64 row_bytes, int n_used, int stride_x, int stride_y,   \
                                     int cpu_share, i64 x_miss_delta, int n_rows) {                                 \
-        FN<GU, OPW>(base, host_delta, part_bytes, expert_bytes, slot_of, ids, wts, x, y, n_out, n_sub, row_bytes,   \
-                    n_used, stride_x, stride_y, cpu_share, x_miss_delta, n_rows);                                   \
+        iq4xs_union<GU, OPW>(base, host_delta, part_bytes, expert_bytes, slot_of, ids, wts, x, y, n_out, n_sub,    \
+                             row_bytes, n_used, stride_x, stride_y, cpu_share, x_miss_delta, n_rows);              \
     }
 
 #ifndef FLE_ONLY_FFN
@@ -720,6 +551,20 @@ __device__ __forceinline__ void q8_0_rows(float (&acc)[T][OPW], const u32 (&v)[O
     }
 }
 
+// the warp's [T][OPW] partial sums reduced, and written by lane 0 (output rows o0.. below n_out)
+template <int OPW, int T>
+__device__ __forceinline__ void store_rows(float (&acc)[T][OPW], float* y, int stride_y, int o0, int n_out,
+                                           int lane) {
+    warp_sum_all(acc);
+    if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < T; ++t)
+#pragma unroll
+            for (int i = 0; i < OPW; ++i)
+                if (o0 + i < n_out) y[(i64)t * stride_y + o0 + i] = acc[t][i];
+    }
+}
+
 // T rows of activations (x and y T rows apart by stride_x / stride_y floats): each weight block is
 // loaded once and dotted with every row's activations. T = 1 loads a block's words row by row as
 // they are used; T > 1 loads the warp's rows' words first, then walks the activation rows.
@@ -771,14 +616,7 @@ __device__ __forceinline__ void q8_0_mv(const char* w, const float* x, float* y,
             q8_0_rows<OPW, T>(acc, v, x, stride_x, b, o0, n_out);
         }
     }
-    warp_sum_all(acc);
-    if (lane == 0) {
-#pragma unroll
-        for (int t = 0; t < T; ++t)
-#pragma unroll
-            for (int i = 0; i < OPW; ++i)
-                if (o0 + i < n_out) y[(i64)t * stride_y + o0 + i] = acc[t][i];
-    }
+    store_rows(acc, y, stride_y, o0, n_out, lane);
 }
 
 // Q8_0 rows staged through shared memory ("stage"): the warp copies a chunk of up to Q8S_CHUNK
@@ -862,14 +700,7 @@ __device__ __forceinline__ void q8_0_mvs(const char* w, const float* x, float* y
         }
         __syncwarp();                            // the next chunk overwrites what the lanes read
     }
-    warp_sum_all(acc);
-    if (lane == 0) {
-#pragma unroll
-        for (int t = 0; t < T; ++t)
-#pragma unroll
-            for (int i = 0; i < OPW; ++i)
-                if (i < n_rows) y[(i64)t * stride_y + o0 + i] = acc[t][i];
-    }
+    store_rows(acc, y, stride_y, o0, n_out, lane);
 }
 
 #define Q8MS(OPW, T)                                                                                              \

@@ -56,7 +56,7 @@ from fle_quant.ggml_types import GGMLType
 from .ptx_decode import BOOK_WORDS
 
 __all__ = ["enabled", "experts_supported", "experts", "union_supported", "experts_union", "ffn_supported",
-           "experts_ffn", "dense_supported", "dense", "dense_staged", "expert_word_lanes", "dense_t_max", "UNION_DEFAULT", "EXPERT_CONFIG", "FFN_CONFIG", "DENSE_CONFIG", "DENSE_T_MAX"]
+           "experts_ffn", "dense_supported", "dense", "dense_staged", "dense_t_max", "UNION_DEFAULT", "EXPERT_CONFIG", "FFN_CONFIG", "DENSE_CONFIG", "DENSE_T_MAX"]
 
 SOURCE = Path(__file__).with_name("cuda_mv.cu")
 DEFAULT = "1"             # FLE_CUDA_MV when unset
@@ -68,11 +68,6 @@ DEFAULT = "1"             # FLE_CUDA_MV when unset
 # (Triton 105); the best "hit" shape, 4,4 / 8,4, took 25.0 us against Triton's 21.1.
 # The third number of each: the row iterations loaded first (0: none; cuda_mv.cu's PRE).
 EXPERT_CONFIG = {"hit": None, "miss": ((2, 4, 0), (4, 4, 0))}
-# FLE_CUDA_MV_EXPERTS when unset: "sub" (the kernel above: a lane per 32-value sub-block) or "word"
-# (cuda_mv.cu's iq4xs_experts_w: a lane per quant word, a super-block per warp step, the activations'
-# loads contiguous across lanes), which takes the hit mode too, with WORD_CONFIG's shapes.
-EXPERTS_DEFAULT = "sub"
-WORD_CONFIG = {"hit": ((2, 4, 0), (4, 4, 0)), "miss": ((2, 4, 0), (4, 4, 0))}
 _GU_ROWS = (1, 2, 4)
 _DN_ROWS = (1, 2, 4, 8)
 _EXPERT_PRE = (0, 1, 2)
@@ -336,7 +331,7 @@ def experts_supported(words: Tensor, qtype: GGMLType, x: Tensor, out: Tensor, x_
     """Whether :func:`experts` takes this call (else Triton's kernel does)."""
     if qtype != GGMLType.IQ4_XS or not words.is_cuda or not _switched_on():     # CUDA tensors: a device
         return False
-    if EXPERT_CONFIG.get(mode) is None and not _env_config() and not expert_word_lanes():
+    if EXPERT_CONFIG.get(mode) is None and not _env_config():
         return False
     if not (x.dtype == out.dtype == torch.float32 and x.stride(-1) == 1 and out.stride(-1) == 1):
         return False
@@ -349,18 +344,8 @@ def experts_supported(words: Tensor, qtype: GGMLType, x: Tensor, out: Tensor, x_
     return _module() is not None
 
 
-def expert_word_lanes() -> bool:
-    """Whether :func:`experts` takes the lane-per-quant-word kernel (FLE_CUDA_MV_EXPERTS=word, else
-    =sub for the lane-per-sub-block one; unset: :data:`EXPERTS_DEFAULT`)."""
-    mode = os.environ.get("FLE_CUDA_MV_EXPERTS") or EXPERTS_DEFAULT
-    if mode not in ("sub", "word"):
-        raise FleError(f"FLE_CUDA_MV_EXPERTS={mode!r}: it takes sub or word; unset it for the measured default")
-    return mode == "word"
-
-
 def _expert_config(gate_up: bool, mode: str) -> tuple[int, int, int]:
-    table = WORD_CONFIG if expert_word_lanes() else EXPERT_CONFIG
-    config = table.get(mode) or table["miss"]
+    config = EXPERT_CONFIG.get(mode) or EXPERT_CONFIG["miss"]
     rows, warps, pre = config[0 if gate_up else 1]
     env, env_pre = _env_config(), _env_pre()
     if env:
@@ -402,8 +387,7 @@ def experts(words: Tensor, qtype: GGMLType, host_delta: int, part_words: int, ex
             cpu_share: int = 0, x_miss: "Tensor | None" = None) -> Tensor:
     """:func:`triton_engine.experts` (same arguments and result) for IQ4_XS
     experts in the CUDA C kernel; callers check :func:`experts_supported`."""
-    kernel = "iq4xs_w{kind}_{rows}" if expert_word_lanes() else "iq4xs_{kind}_{rows}_p{pre}"
-    return _experts_launch(kernel, words, host_delta, part_words, expert_words, n_out,
+    return _experts_launch("iq4xs_{kind}_{rows}_p{pre}", words, host_delta, part_words, expert_words, n_out,
                            row_bytes, slot_of, ids, x, out, gate_up, n_used, weights, mode, cpu_share, x_miss)
 
 
@@ -433,8 +417,7 @@ def experts_union(words: Tensor, qtype: GGMLType, host_delta: int, part_words: i
     if reads is not None:
         raise FleError("internal: the CUDA C union kernel keeps no read log (union_supported refuses it)")
     # the miss mode's launch shapes, without loads-first (the kernel has none)
-    kernel = "iq4xs_u{kind}_{rows}_w" if expert_word_lanes() else "iq4xs_u{kind}_{rows}"
-    return _experts_launch(kernel, words, host_delta, part_words, expert_words, n_out, row_bytes,
+    return _experts_launch("iq4xs_u{kind}_{rows}", words, host_delta, part_words, expert_words, n_out, row_bytes,
                            slot_of, ids, x, out, gate_up, n_used, weights, "miss", cpu_share, x_miss,
                            (ctypes.c_int(ids.shape[0]),))
 
