@@ -28,6 +28,10 @@
 #            engine's verify-step, MTP and slots tests with it, then the verify step's T(n) at the calibrated skew
 #            with Triton's union kernel, with the CUDA C one, and with it and the T-row Q8_0 dense kernels
 #            (FLE_CUDA_MV_DENSE_T=4, its kernels profiled), misses on the GPU (bench/verify_step.py)
+#   dense    the Q8_0 kernel staged through shared memory (the default) against the one-block-per-lane one
+#            (FLE_CUDA_MV_DENSE=stage / word), nothing else changed: their tests, the T = 1..4 products
+#            (bench/engine_kernels.py --dense), the verify step's T(n) and FLE's decode (calibrated, misses
+#            split, and everything on the GPU) with each, on one machine
 #   misses   the cost of a missed expert in a layer's launches against a kernel that only reads it
 #            (bench/engine_kernels.py --misses): this machine's zero-copy speed, which differs between machines
 # One stage's failure is logged and the next one runs; the exit status is the number of stages that failed.
@@ -117,7 +121,16 @@ for s in $STAGES; do
                        --json "$OUT/verify-union-$u-dense-$t.json"
                done ;;
         misses) stage misses python3 bench/engine_kernels.py --misses --json "$OUT/misses.json" ;;
-        *) echo "unknown stage $s (build, tests, slots, prefill, decode, kernels, checks, union, misses)"; failed=$((failed + 1)) ;;
+        dense) stage dense-tests python3 -m pytest -q -n 6 tests/test_cuda_mv.py -k "dense or graph"
+               stage dense-kernels python3 bench/engine_kernels.py --dense --json "$OUT/dense.json"
+               for k in word stage; do
+                   FLE_CUDA_MV_DENSE=$k stage "dense-verify-$k" python3 bench/verify_step.py --routing calibrated \
+                       --warmup 256 --reps 30 --miss-split auto --json "$OUT/dense-verify-$k.json"
+                   FLE_CUDA_MV_DENSE=$k stage "dense-decode-$k" python3 bench/engine.py --skip-upstream \
+                       --routing calibrated -n 64 -r 2 --miss-split auto --json "$OUT/dense-decode-$k.json"
+               done ;;
+        *) echo "unknown stage $s (build, tests, slots, prefill, decode, kernels, checks, union, dense, misses)"
+           failed=$((failed + 1)) ;;
     esac
 done
 exit $failed
