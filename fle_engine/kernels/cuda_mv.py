@@ -21,8 +21,7 @@ of the device copy against 0.28-0.70) and for experts read over PCIe (0.88
 of the pinned copy against 0.79), not for a layer whose experts are all in
 their slots (25 us against Triton's 21 us): that launch ("hit" mode) stays
 Triton's. Since 2026-12-07 the Q8_0 rows are staged through shared memory
-(:data:`DENSE_DEFAULT`): 9.9 / 8.6 / 129 us for qkv / wo / the output matrix
-against 10.5 / 10.0 / 153, and 1.3x its T = 1 time at T = 3 instead of 2x.
+(:data:`DENSE_DEFAULT` says by how much that was faster).
 
 Launch shapes (output rows per warp, warps per block, row iterations
 whose weights a lane loads into registers first), per kernel and mode, are
