@@ -395,7 +395,8 @@ def test_isa_follows_the_host():
 def test_isa_is_in_the_cache_key():
     """The AVX2 and portable row kernels of one type are closures over the
     ISA, which numba's cache hashes into their index keys; the AVX-512 ones
-    are functions of their own."""
+    closures over their type's name: one key per type, and the same key in
+    every process (the name pickles alike)."""
     from numba.core.caching import FunctionCache
     from numba.core.registry import cpu_target
 
@@ -403,7 +404,9 @@ def test_isa_is_in_the_cache_key():
     for code in range(11):
         keys = {FunctionCache(rows._generic(i, code))._index_key(rows.SIG.args, codegen) for i in (0, 1)}
         assert len(keys) == 2
-    assert len({f.__qualname__ for f in rows._PY512.values()}) == len(rows._PY512)
+    keys = [FunctionCache(rows._avx512(n))._index_key(rows.SIG.args, codegen) for n in rows.AVX512_KERNELS.values()]
+    assert len(set(keys)) == len(keys)
+    assert FunctionCache(rows._avx512("iq4_xs"))._index_key(rows.SIG.args, codegen) in keys
 
 
 def test_layouts():
@@ -413,7 +416,7 @@ def test_layouts():
         assert sorted(row) == list(range(256))
     kernels = {GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ2_XS, GGMLType.IQ4_XS, GGMLType.Q4_K}
     assert {t for t, c in fle_numba.CODES.items() if simd512.LAYOUTS[c] >= 0} == kernels
-    assert {t for t, c in fle_numba.CODES.items() if c in rows._PY512} == kernels
+    assert {t for t, c in fle_numba.CODES.items() if c in rows.AVX512_KERNELS} == kernels
     rng = np.random.default_rng(9)
     for t in kernels:
         q = rng.integers(-127, 128, 768, dtype=np.int8)

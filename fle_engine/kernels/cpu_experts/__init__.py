@@ -136,7 +136,7 @@ def preferred(qtypes) -> str:
     llama-cpp-python's library is present, else ``numba``."""
     from . import fle_numba, rows
 
-    if rows.ISA == "avx512" and all(fle_numba.CODES[parse_type(t)] in rows._PY512 for t in qtypes):
+    if rows.ISA == "avx512" and all(fle_numba.CODES[parse_type(t)] in rows.AVX512_KERNELS for t in qtypes):
         return "numba"
     return "ggml" if "ggml" in backends() else "numba"
 

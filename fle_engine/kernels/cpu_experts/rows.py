@@ -41,7 +41,7 @@ from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
 from . import simd
-from .simd512 import AVX512, LAYOUTS, PERM, SUMS, stack_f32x16
+from .simd512 import AVX512, BLOCK_BYTES, LAYOUTS, PERM, group_sums, stack_f32x16
 
 __all__ = ["ISA", "SIG", "rows_address", "layout", "call_rows", "arrange"]
 
@@ -144,179 +144,46 @@ def layout(code: int) -> int:
 
 # ---------------------------------------------------------------------------
 # AVX-512 (.simd512): up to 8 blocks per call, their float contributions into ``c`` (float32 [16]) in the
-# reference's order, added to the accumulator in block order. One function per type: each compiled on its own.
-
-_3XXS_8, _3XXS_4, _3XXS_3, _3XXS_2, _3XXS_1 = (SUMS["iq3_xxs"][n] for n in (8, 4, 3, 2, 1))
-_3S_8, _3S_4, _3S_3, _3S_2, _3S_1 = (SUMS["iq3_s"][n] for n in (8, 4, 3, 2, 1))
-_2XS_8, _2XS_4, _2XS_3, _2XS_2, _2XS_1 = (SUMS["iq2_xs"][n] for n in (8, 4, 3, 2, 1))
-_4XS_8, _4XS_4, _4XS_3, _4XS_2, _4XS_1 = (SUMS["iq4_xs"][n] for n in (8, 4, 3, 2, 1))
-_Q4K_8, _Q4K_4, _Q4K_3, _Q4K_2, _Q4K_1 = (SUMS["q4_k"][n] for n in (8, 4, 3, 2, 1))
+# reference's order, added to the accumulator in block order. One closure per type, over the type's name (a
+# compile-time string for .simd512.group_sums) and block size: each compiled on its own, and the two values
+# are in numba's cache key (as _generic's ISA).
 
 
 @njit(cache=True, inline="always")
 def _group(nb, bi):
-    """Blocks in the next call: 8, 4, 3, 2 or 1."""
+    """Blocks in the next call: 8, 4, 3, 2 or 1 (.simd512.GROUPS)."""
     n = nb - bi
     return 8 if n >= 8 else 4 if n >= 4 else n
 
 
-def _rows512_iq3_xxs(w, stride, r0, r1, nb, xq, xd, xs, nxr, nx, ndx, nxs, arow, orow, nt, out, nout):
-    W, XQ, XD, XS = _u8(w, r1 * stride), _i8x2(xq, nxr, nx), _f32x2(xd, nxr, ndx), _i32x2(xs, nxr, nxs)
-    A, O = _i64(arow, nt), _i64(orow, nt)
-    OUT = _f32(out, _rows_out(O, nt) * nout)
-    c = stack_f32x16()
-    for r in range(r0, r1):
-        base = r * stride
-        for k in range(nt):
-            t = A[k]
-            xo, xdo, xso = t * nx, t * ndx, t * nxs
-            a = _F32(0.0)
-            bi = 0
-            while bi < nb:
-                o = base + 98 * bi
-                n = _group(nb, bi)
-                if n == 8:
-                    _3XXS_8(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 4:
-                    _3XXS_4(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 3:
-                    _3XXS_3(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 2:
-                    _3XXS_2(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                else:
-                    _3XXS_1(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                for j in range(n):
-                    a = a + c[j]
-                bi += n
-            OUT[O[k] * nout + r] = a
+def _avx512(name: str):
+    size = BLOCK_BYTES[name]
+
+    def rows(w, stride, r0, r1, nb, xq, xd, xs, nxr, nx, ndx, nxs, arow, orow, nt, out, nout):
+        W, XQ, XD, XS = _u8(w, r1 * stride), _i8x2(xq, nxr, nx), _f32x2(xd, nxr, ndx), _i32x2(xs, nxr, nxs)
+        A, O = _i64(arow, nt), _i64(orow, nt)
+        OUT = _f32(out, _rows_out(O, nt) * nout)
+        c = stack_f32x16()
+        for r in range(r0, r1):
+            base = r * stride
+            for k in range(nt):
+                t = A[k]
+                xo, xdo, xso = t * nx, t * ndx, t * nxs
+                a = _F32(0.0)
+                bi = 0
+                while bi < nb:
+                    n = _group(nb, bi)
+                    group_sums(name, n, W, base + size * bi, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
+                    for j in range(n):
+                        a = a + c[j]
+                    bi += n
+                OUT[O[k] * nout + r] = a
+
+    return rows
 
 
-def _rows512_iq3_s(w, stride, r0, r1, nb, xq, xd, xs, nxr, nx, ndx, nxs, arow, orow, nt, out, nout):
-    W, XQ, XD, XS = _u8(w, r1 * stride), _i8x2(xq, nxr, nx), _f32x2(xd, nxr, ndx), _i32x2(xs, nxr, nxs)
-    A, O = _i64(arow, nt), _i64(orow, nt)
-    OUT = _f32(out, _rows_out(O, nt) * nout)
-    c = stack_f32x16()
-    for r in range(r0, r1):
-        base = r * stride
-        for k in range(nt):
-            t = A[k]
-            xo, xdo, xso = t * nx, t * ndx, t * nxs
-            a = _F32(0.0)
-            bi = 0
-            while bi < nb:
-                o = base + 110 * bi
-                n = _group(nb, bi)
-                if n == 8:
-                    _3S_8(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 4:
-                    _3S_4(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 3:
-                    _3S_3(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 2:
-                    _3S_2(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                else:
-                    _3S_1(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                for j in range(n):
-                    a = a + c[j]
-                bi += n
-            OUT[O[k] * nout + r] = a
-
-
-def _rows512_iq2_xs(w, stride, r0, r1, nb, xq, xd, xs, nxr, nx, ndx, nxs, arow, orow, nt, out, nout):
-    W, XQ, XD, XS = _u8(w, r1 * stride), _i8x2(xq, nxr, nx), _f32x2(xd, nxr, ndx), _i32x2(xs, nxr, nxs)
-    A, O = _i64(arow, nt), _i64(orow, nt)
-    OUT = _f32(out, _rows_out(O, nt) * nout)
-    c = stack_f32x16()
-    for r in range(r0, r1):
-        base = r * stride
-        for k in range(nt):
-            t = A[k]
-            xo, xdo, xso = t * nx, t * ndx, t * nxs
-            a = _F32(0.0)
-            bi = 0
-            while bi < nb:
-                o = base + 74 * bi
-                n = _group(nb, bi)
-                if n == 8:
-                    _2XS_8(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 4:
-                    _2XS_4(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 3:
-                    _2XS_3(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 2:
-                    _2XS_2(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                else:
-                    _2XS_1(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                for j in range(n):
-                    a = a + c[j]
-                bi += n
-            OUT[O[k] * nout + r] = a
-
-
-def _rows512_iq4_xs(w, stride, r0, r1, nb, xq, xd, xs, nxr, nx, ndx, nxs, arow, orow, nt, out, nout):
-    W, XQ, XD, XS = _u8(w, r1 * stride), _i8x2(xq, nxr, nx), _f32x2(xd, nxr, ndx), _i32x2(xs, nxr, nxs)
-    A, O = _i64(arow, nt), _i64(orow, nt)
-    OUT = _f32(out, _rows_out(O, nt) * nout)
-    c = stack_f32x16()
-    for r in range(r0, r1):
-        base = r * stride
-        for k in range(nt):
-            t = A[k]
-            xo, xdo, xso = t * nx, t * ndx, t * nxs
-            a = _F32(0.0)
-            bi = 0
-            while bi < nb:
-                o = base + 136 * bi
-                n = _group(nb, bi)
-                if n == 8:
-                    _4XS_8(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 4:
-                    _4XS_4(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 3:
-                    _4XS_3(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 2:
-                    _4XS_2(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                else:
-                    _4XS_1(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                for j in range(n):
-                    a = a + c[j]
-                bi += n
-            OUT[O[k] * nout + r] = a
-
-
-def _rows512_q4_k(w, stride, r0, r1, nb, xq, xd, xs, nxr, nx, ndx, nxs, arow, orow, nt, out, nout):
-    W, XQ, XD, XS = _u8(w, r1 * stride), _i8x2(xq, nxr, nx), _f32x2(xd, nxr, ndx), _i32x2(xs, nxr, nxs)
-    A, O = _i64(arow, nt), _i64(orow, nt)
-    OUT = _f32(out, _rows_out(O, nt) * nout)
-    c = stack_f32x16()
-    for r in range(r0, r1):
-        base = r * stride
-        for k in range(nt):
-            t = A[k]
-            xo, xdo, xso = t * nx, t * ndx, t * nxs
-            a = _F32(0.0)
-            bi = 0
-            while bi < nb:
-                o = base + 144 * bi
-                n = _group(nb, bi)
-                if n == 8:
-                    _Q4K_8(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 4:
-                    _Q4K_4(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 3:
-                    _Q4K_3(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                elif n == 2:
-                    _Q4K_2(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                else:
-                    _Q4K_1(W, o, XQ, xo + 256 * bi, XS, xso + 8 * bi, XD, xdo + bi, c)
-                for j in range(n):
-                    a = a + c[j]
-                bi += n
-            OUT[O[k] * nout + r] = a
-
-
-_PY512 = {_IQ3_XXS: _rows512_iq3_xxs, _IQ3_S: _rows512_iq3_s, _IQ2_XS: _rows512_iq2_xs, _IQ4_XS: _rows512_iq4_xs,
-          _Q4_K: _rows512_q4_k}
+# the types with AVX-512 kernels: their type codes and .simd512's names
+AVX512_KERNELS = {_IQ3_XXS: "iq3_xxs", _IQ3_S: "iq3_s", _IQ2_XS: "iq2_xs", _IQ4_XS: "iq4_xs", _Q4_K: "q4_k"}
 
 
 # ---------------------------------------------------------------------------
@@ -348,14 +215,14 @@ def kernel(code: int, isa: "str | None" = None):
     ``isa`` (default :data:`ISA`), compiled (or loaded from numba's cache) on
     first use."""
     isa = ISA if isa is None else isa
-    if isa == "avx512" and code not in _PY512:
+    if isa == "avx512" and code not in AVX512_KERNELS:
         isa = "avx2"
     key = (isa, code)
     if key not in _COMPILED:
         if isa == "avx512":
             if ISA != "avx512":
                 raise ValueError("the AVX-512 kernels need a CPU with AVX-512 (and FLE_CPU_ISA allowing them)")
-            _COMPILED[key] = cfunc(SIG, cache=True, nopython=True)(_PY512[code])
+            _COMPILED[key] = cfunc(SIG, cache=True, nopython=True)(_avx512(AVX512_KERNELS[code]))
         else:
             if isa == "avx2" and not simd.AVX2:
                 raise ValueError("the AVX2 kernels need a CPU with AVX2 (and FLE_CPU_ISA allowing them)")

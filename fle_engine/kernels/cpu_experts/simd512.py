@@ -65,7 +65,8 @@ from fle_quant.quants.tables import IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KVALUES_
 
 from .simd import AVX2, _base, _escape, _fn, _host_feature, _ld, _scales_mins_k4
 
-__all__ = ["AVX512", "ISA", "LAYOUTS", "PERM", "SUMS", "GF_KSIGNS", "stack_f32x16"]
+__all__ = ["AVX512", "ISA", "LAYOUTS", "PERM", "GROUPS", "BLOCK_BYTES", "group_sums", "GF_KSIGNS",
+           "stack_f32x16"]
 
 AVX512 = all(_host_feature(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx512vbmi", "gfni",
                                         "avx512bitalg"))
@@ -412,66 +413,93 @@ def _reduce16(b, v):
     return b.call(_fn(b, "llvm.vector.reduce.add.v16i32", _I32, [_D16]), [v])
 
 
-def _make_sums(name, accfn, consts, size, frac, n):
-    """The intrinsic ``name_n(w, o, x, xo, xs, xso, xd, xdo, out)``: n blocks
-    of ``size`` bytes at w[o:] against the activation codes at x[xo:]
-    (bytes), their sums of 32 at xs[xso:] (elements, 8 per block) and their
-    scales xd[xdo:] (elements): each block's float contribution to out[b],
-    as the reference computes it: (d_w * d_x) * (float(S) * frac), less
-    (dmin_w * d_x) * float(M) for Q4_K (d_w, dmin_w the block's fp16 at 0
-    and 2). The caller adds them to its accumulator in block order."""
-    def impl(typingctx, w, o, x, xo, xs, xso, xd, xdo, out):
-        if not all(isinstance(a, types.Array) for a in (w, x, xs, xd, out)):
-            return None
+def _emit_sums(b, name, n, wb, xb, xsb, xdb, outp, t):
+    """Emit type ``name``'s sums of ``n`` blocks (:func:`group_sums`) from
+    the byte pointers ``wb`` (weights), ``xb`` (activation codes), the
+    int32 pointer ``xsb`` (sums of 32), the float pointer ``xdb`` (scales)
+    into the float pointer ``outp``; ``t``: the type's constants."""
+    accfn, _, size, frac = _KERNELS[name]
+    f32, f16 = ir.FloatType(), ir.HalfType()
+    ob = b.bitcast(outp, ir.VectorType(f32, n).as_pointer())
+    per = [accfn(b, b.gep(wb, [_I64(size * j)]), b.gep(xb, [_I64(256 * j)]), b.gep(xsb, [_I64(8 * j)]), t)
+           for j in range(n)]
+    vn, fn_ = ir.VectorType(_I32, n), ir.VectorType(f32, n)
 
-        def codegen(context, builder, sig, args):
-            b = builder
-            f32, f16 = ir.FloatType(), ir.HalfType()
-            wb = _base(context, b, sig.args[0], args[0], args[1])
-            xb = _base(context, b, sig.args[2], args[2], args[3])
-            xsb = b.gep(b.bitcast(_base(context, b, sig.args[4], args[4]), _I32.as_pointer()), [args[5]])
-            xdb = b.gep(b.bitcast(_base(context, b, sig.args[6], args[6]), f32.as_pointer()), [args[7]])
-            ob = b.bitcast(_base(context, b, sig.args[8], args[8]), ir.VectorType(f32, n).as_pointer())
-            t = consts(b)
-            per = [accfn(b, b.gep(wb, [_I64(size * j)]), b.gep(xb, [_I64(256 * j)]),
-                         b.gep(xsb, [_I64(8 * j)]), t) for j in range(n)]
-            vn, fn_ = ir.VectorType(_I32, n), ir.VectorType(f32, n)
+    def sums(part):
+        accs = [p[part] for p in per]
+        if n == 1:
+            return b.insert_element(ir.Constant(vn, ir.Undefined), _reduce16(b, accs[0]), _I32(0))
+        return _shuf(b, _sums8(b, accs), range(n))
 
-            def sums(part):
-                accs = [p[part] for p in per]
-                if n == 1:
-                    return b.insert_element(ir.Constant(vn, ir.Undefined), _reduce16(b, accs[0]), _I32(0))
-                return _shuf(b, _sums8(b, accs), range(n))
+    def fp16s(off):
+        h = ir.Constant(ir.VectorType(_I16, n), ir.Undefined)
+        for j in range(n):
+            v = b.load(b.bitcast(b.gep(wb, [_I64(size * j + off)]), _I16.as_pointer()), align=1)
+            h = b.insert_element(h, v, _I32(j))
+        return b.fpext(b.bitcast(h, ir.VectorType(f16, n)), fn_)
 
-            def fp16s(off):
-                h = ir.Constant(ir.VectorType(_I16, n), ir.Undefined)
-                for j in range(n):
-                    v = b.load(b.bitcast(b.gep(wb, [_I64(size * j + off)]), _I16.as_pointer()), align=1)
-                    h = b.insert_element(h, v, _I32(j))
-                return b.fpext(b.bitcast(h, ir.VectorType(f16, n)), fn_)
-
-            dx = b.load(b.bitcast(xdb, fn_.as_pointer()), align=4)
-            s = b.sitofp(sums(0), fn_)
-            if frac != 1.0:
-                s = b.fmul(s, ir.Constant(fn_, [frac] * n))
-            c = b.fmul(b.fmul(fp16s(0), dx), s)
-            if len(per[0]) > 1:
-                c = b.fsub(c, b.fmul(b.fmul(fp16s(2), dx), b.sitofp(sums(1), fn_)))
-            b.store(c, ob, align=4)
-            return context.get_dummy_value()
-
-        return types.void(w, types.int64, x, types.int64, xs, types.int64, xd, types.int64, out), codegen
-
-    impl.__name__ = f"{name}_{n}"
-    return intrinsic(impl)
+    dx = b.load(b.bitcast(xdb, fn_.as_pointer()), align=4)
+    s = b.sitofp(sums(0), fn_)
+    if frac != 1.0:
+        s = b.fmul(s, ir.Constant(fn_, [frac] * n))
+    c = b.fmul(b.fmul(fp16s(0), dx), s)
+    if len(per[0]) > 1:
+        c = b.fsub(c, b.fmul(b.fmul(fp16s(2), dx), b.sitofp(sums(1), fn_)))
+    b.store(c, ob, align=4)
 
 
+GROUPS = (8, 4, 3, 2, 1)        # the block counts of one call (a row's tail: 4, then what is left)
+
+
+@intrinsic
+def group_sums(typingctx, name, n, w, o, x, xo, xs, xso, xd, xdo, out):
+    """``group_sums(name, n, w, o, x, xo, xs, xso, xd, xdo, out)``: ``n``
+    (one of :data:`GROUPS`, at run time) blocks of type ``name`` (a
+    compile-time string: "iq3_xxs", "iq3_s", "iq2_xs", "iq4_xs", "q4_k")
+    at w[o:] against the activation codes at x[xo:] (bytes), their sums of
+    32 at xs[xso:] (elements, 8 per block) and their scales xd[xdo:]
+    (elements): each block's float contribution to out[b], as the reference
+    computes it: (d_w * d_x) * (float(S) * frac), less (dmin_w * d_x) *
+    float(M) for Q4_K (d_w, dmin_w the block's fp16 at 0 and 2). The caller
+    adds them to its accumulator in block order. One branch per block count
+    in the emitted code (the call's switch), each the straight-line code of
+    that many blocks."""
+    if not isinstance(name, types.StringLiteral) or name.literal_value not in _KERNELS:
+        return None
+    if not all(isinstance(a, types.Array) for a in (w, x, xs, xd, out)):
+        return None
+    kind = name.literal_value
+
+    def codegen(context, builder, sig, args):
+        b = builder
+        f32 = ir.FloatType()
+        wb = _base(context, b, sig.args[2], args[2], args[3])
+        xb = _base(context, b, sig.args[4], args[4], args[5])
+        xsb = b.gep(b.bitcast(_base(context, b, sig.args[6], args[6]), _I32.as_pointer()), [args[7]])
+        xdb = b.gep(b.bitcast(_base(context, b, sig.args[8], args[8]), f32.as_pointer()), [args[9]])
+        outp = b.bitcast(_base(context, b, sig.args[10], args[10]), f32.as_pointer())
+        t = _KERNELS[kind][1](b)
+        end = b.append_basic_block(f"{kind}.sums.end")
+        cases = {m: b.append_basic_block(f"{kind}.sums.{m}") for m in GROUPS}
+        sw = b.switch(args[1], cases[1])            # anything else: one block (never: the caller's _group)
+        for m in GROUPS[:-1]:
+            sw.add_case(_I64(m), cases[m])
+        for m, bb in cases.items():
+            b.position_at_end(bb)
+            _emit_sums(b, kind, m, wb, xb, xsb, xdb, outp, t)
+            b.branch(end)
+        b.position_at_end(end)
+        return context.get_dummy_value()
+
+    return types.void(name, types.int64, w, types.int64, x, types.int64, xs, types.int64, xd, types.int64,
+                      out), codegen
+
+
+# name: (block accumulators, constants, block bytes, the sums' factor)
 _KERNELS = {"iq3_xxs": (_acc_iq3_xxs, _consts_iq3_xxs, 98, 0.25), "iq3_s": (_acc_iq3_s, _consts_iq3_s, 110, 1.0),
             "iq2_xs": (_acc_iq2_xs, _consts_iq2_xs, 74, 0.125), "iq4_xs": (_acc_iq4_xs, _consts_iq4_xs, 136, 1.0),
             "q4_k": (_acc_q4_k, lambda b: None, 144, 1.0)}
-# SUMS[name][n] for n in 1, 2, 3, 4, 8
-SUMS = {name: {n: _make_sums(name, acc, consts, size, frac, n) for n in (1, 2, 3, 4, 8)}
-        for name, (acc, consts, size, frac) in _KERNELS.items()}
+BLOCK_BYTES = {name: k[2] for name, k in _KERNELS.items()}
 
 
 @intrinsic
