@@ -293,6 +293,18 @@ def _decode_iq4_xs(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: 
 
 
 @triton.jit
+def _grid_signed(db, words, signs, B: tl.constexpr, C: tl.constexpr):
+    """The grid types' tile [BN, A, B, C]: byte c of each grid word ``words``
+    [BN, A, B] (four grid values per int32), negated where bit 4 b + c of
+    ``signs`` [BN, A] is set, times the scales ``db`` [BN, A]."""
+    b = tl.arange(0, B)
+    c = tl.arange(0, C)
+    grid = (words[:, :, :, None] >> (8 * c)[None, None, None, :]) & 0xFF
+    neg = (signs[:, :, None, None] >> (4 * b[:, None] + c[None, :])[None, None, :, :]) & 1
+    return db[:, :, None, None] * grid.to(tl.float32) * (1 - 2 * neg).to(tl.float32)
+
+
+@triton.jit
 def _decode_iq3_s(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
     # block, 55 halfwords: d f16 | qs[64] | qh[8] | signs[32] | scales[4]. Value v uses grid row
     # qs[v / 4] | (bit (v / 4) % 8 of qh[v / 32]) << 8, entry v % 4; sign bit v % 8 of signs[v / 8];
@@ -300,7 +312,6 @@ def _decode_iq3_s(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: t
     # C = 4]: value 8 a + 4 b + c. The lookup table packs each grid row's four values in one int32.
     a = tl.arange(0, A)
     b = tl.arange(0, B)
-    c = tl.arange(0, C)
     bw = row_w + kc * 55  # [BN]
     d = _half(tl.load(wv + bw).to(tl.int32))
     base = bw[:, None]
@@ -312,9 +323,7 @@ def _decode_iq3_s(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: t
     db = d[:, None] * (1 + 2 * scn).to(tl.float32)  # [BN, A]
     quad = (2 * a)[:, None] + b[None, :]  # [A, B]
     row = ((qs[:, :, None] >> (8 * b)[None, None, :]) & 0xFF) | (((qh[:, :, None] >> (quad % 8)[None, :, :]) & 1) << 8)
-    grid = (tl.load(lut_ptr + row)[:, :, :, None] >> (8 * c)[None, None, None, :]) & 0xFF  # [BN, A, B, C]
-    neg = (sg[:, :, None, None] >> (4 * b[:, None] + c[None, :])[None, None, :, :]) & 1
-    return db[:, :, None, None] * grid.to(tl.float32) * (1 - 2 * neg).to(tl.float32)
+    return _grid_signed(db, tl.load(lut_ptr + row), sg, B, C)
 
 
 @triton.jit
@@ -395,7 +404,6 @@ def _decode_iq3_xxs(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C:
     # four entries per int32 (256), then ksigns (128)
     a = tl.arange(0, A)
     b = tl.arange(0, B)
-    c = tl.arange(0, C)
     bw = row_w + kc * 49
     d = _half(tl.load(wv + bw).to(tl.int32))
     base = bw[:, None]
@@ -407,9 +415,7 @@ def _decode_iq3_xxs(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C:
     s = ((aux >> (7 * (a % 4))[None, :]) & 127).to(tl.int32)
     signs = tl.load(lut_ptr + 256 + s)                                               # [BN, A]
     g = (qs[:, :, None] >> (8 * b)[None, None, :]) & 0xFF                             # [BN, A, B]
-    grid = (tl.load(lut_ptr + g)[:, :, :, None] >> (8 * c)[None, None, None, :]) & 0xFF
-    neg = (signs[:, :, None, None] >> (4 * b[:, None] + c[None, :])[None, None, :, :]) & 1
-    return db[:, :, None, None] * grid.to(tl.float32) * (1 - 2 * neg).to(tl.float32)
+    return _grid_signed(db, tl.load(lut_ptr + g), signs, B, C)
 
 
 @triton.jit
@@ -419,7 +425,6 @@ def _decode_iq2_xs(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: 
     # packed in two int32 (1024), then ksigns (128)
     a = tl.arange(0, A)
     b = tl.arange(0, B)
-    c = tl.arange(0, C)
     bw = row_w + kc * 37
     d = _half(tl.load(wv + bw).to(tl.int32))
     base = bw[:, None]
@@ -430,9 +435,7 @@ def _decode_iq2_xs(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: 
     db = d[:, None] * (0.5 + nib.to(tl.float32)) * 0.25
     signs = tl.load(lut_ptr + 1024 + (q >> 9))
     row = 2 * (q & 511)
-    grid = (tl.load(lut_ptr + row[:, :, None] + b[None, None, :])[:, :, :, None] >> (8 * c)[None, None, None, :]) & 0xFF
-    neg = (signs[:, :, None, None] >> (4 * b[:, None] + c[None, :])[None, None, :, :]) & 1
-    return db[:, :, None, None] * grid.to(tl.float32) * (1 - 2 * neg).to(tl.float32)
+    return _grid_signed(db, tl.load(lut_ptr + row[:, :, None] + b[None, None, :]), signs, B, C)
 
 
 @triton.jit
@@ -442,7 +445,6 @@ def _decode_iq2_s(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: t
     # Tile [BN, A = 32 (i = 4 ib + l), B = 2, C = 4]: value 8 a + 4 b + c. lut: 1024 grid rows, two int32 each
     a = tl.arange(0, A)
     b = tl.arange(0, B)
-    c = tl.arange(0, C)
     bw = row_w + kc * 41
     d = _half(tl.load(wv + bw).to(tl.int32))
     base = bw[:, None]
@@ -455,9 +457,7 @@ def _decode_iq2_s(wv, lut_ptr, row_w, kc, A: tl.constexpr, B: tl.constexpr, C: t
     nib = tl.where((l < 2)[None, :], sc & 0xF, sc >> 4)
     db = d[:, None] * (0.5 + nib.to(tl.float32)) * 0.25
     g = qs | ((qh << (8 - 2 * l)[None, :]) & 0x300)
-    grid = (tl.load(lut_ptr + 2 * g[:, :, None] + b[None, None, :])[:, :, :, None] >> (8 * c)[None, None, None, :]) & 0xFF
-    neg = (sg[:, :, None, None] >> (4 * b[:, None] + c[None, :])[None, None, :, :]) & 1
-    return db[:, :, None, None] * grid.to(tl.float32) * (1 - 2 * neg).to(tl.float32)
+    return _grid_signed(db, tl.load(lut_ptr + 2 * g[:, :, None] + b[None, None, :]), sg, B, C)
 
 
 @triton.jit
