@@ -171,14 +171,15 @@ def check_run_options(args) -> None:
     refused, never silently left unused. The budget is parsed by the
     engine's own parser."""
     from .runtime import parse_budget
+    from .runtime.mtp import VERIFY_MAX
 
     if not 0 <= args.ubatch <= UBATCH_MAX:
         raise FleError(f"--ubatch {args.ubatch}: give 1 to {UBATCH_MAX} tokens per micro-batch, or 0 to run prompts "
                        f"as decode steps")
     if args.prefill_min < 1:
         raise FleError(f"--prefill-min {args.prefill_min}: give the shortest prompt to prefill, at least 1 token")
-    if not 1 <= args.prompt_rows <= 4:
-        raise FleError(f"--prompt-rows {args.prompt_rows}: give 1 to 4 prompt tokens per step")
+    if not 1 <= args.prompt_rows <= VERIFY_MAX:      # the T-row step's largest graph (the verify step's)
+        raise FleError(f"--prompt-rows {args.prompt_rows}: give 1 to {VERIFY_MAX} prompt tokens per step")
     parse_budget(args.cache_budget)             # a FleError naming the option for anything that is no size
 
 
