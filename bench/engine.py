@@ -356,10 +356,14 @@ def _kernels(which: str):
 
 
 def fle_prefill(model: Path, budget: "int | str", prompts: list[int], ubatches: list[int], reps: int,
-                seed: int = 0) -> list[dict]:
+                seed: int = 0, row_steps: bool = False) -> list[dict]:
     """FLE's prefill tok/s per (prompt length, micro-batch), the expert cache
     warmed by 64 decode steps first (1/3 of each layer's experts in their
-    slots); bytes streamed and the time the compute stream waited for copies."""
+    slots); bytes streamed and the time the compute stream waited for copies.
+    Prompts below ``--prefill-min`` or prefilled with the routed experts
+    only (and every prompt with ``row_steps``) are also run as decode steps,
+    one token and ``--prompt-rows`` tokens per step: which way is faster
+    at each length is what ``--prefill-min`` follows."""
     import torch
 
     from fle_engine.runtime import Engine
@@ -395,7 +399,7 @@ def fle_prefill(model: Path, budget: "int | str", prompts: list[int], ubatches: 
                 eng.prefill.force_routed = None
                 out[-1]["tok_s_whole_layers"] = n / float(np.mean([r.seconds for r in whole]))
                 out[-1]["gb_whole_layers"] = whole[-1].bytes_copied / 1e9
-            if last.routed_only or n < eng.prefill_min:
+            if row_steps or last.routed_only or n < eng.prefill_min:
                 # as decode steps: one token per step, and --prompt-rows tokens per T-row step (its graphs
                 # captured by a first, untimed prompt)
                 keep_min, keep_rows, eng.prefill_min = eng.prefill_min, eng.prompt_rows, n + 1
@@ -583,6 +587,9 @@ def main(argv=None) -> int:
                         "-ub 512 and 4096, FLE with --fle-ubatch, the same GPU bytes, on the first routing's file")
     p.add_argument("--fle-ubatch", default="4096,8192", help="FLE's micro-batches for --prefill, comma list")
     p.add_argument("--no-decode", action="store_true", help="skip the decode runs (with --prefill)")
+    p.add_argument("--row-steps", action="store_true",
+                   help="with --prefill: every prompt length also as decode steps (one token and --prompt-rows "
+                        "tokens per step), not only those below --prefill-min (to choose --prefill-min)")
     p.add_argument("--verify", default="",
                    help="routings (comma list, e.g. calibrated) whose file also gets the verify step's cost T(n), "
                         "n = 0..3, with the same cache budget (bench/verify_step.py)")
@@ -659,7 +666,8 @@ def main(argv=None) -> int:
                 except UpstreamFailed as e:
                     pf["upstream_error"] = str(e)
                     print(f"[{routing}] {e}", flush=True)
-            pf["fle"] = fle_prefill(path, budget, prompts, [int(v) for v in args.fle_ubatch.split(",")], args.reps)
+            pf["fle"] = fle_prefill(path, budget, prompts, [int(v) for v in args.fle_ubatch.split(",")], args.reps,
+                                    row_steps=args.row_steps)
             pf["ratios"] = prefill_ratios(pf.get("upstream", []), pf["fle"])
             for n, r in pf["ratios"].items():
                 if "ratio" in r:

@@ -34,6 +34,9 @@
 #            split, and everything on the GPU) with each, on one machine
 #   misses   the cost of a missed expert in a layer's launches against a kernel that only reads it
 #            (bench/engine_kernels.py --misses): this machine's zero-copy speed, which differs between machines
+#   rows     short prompts, 30B-A3B shape, calibrated routing, FLE alone: prefill (-ub 8192) against decode steps of
+#            one and of --prompt-rows tokens at 16-96 tokens (bench/engine.py --prefill ... --row-steps), for the
+#            choice of --prefill-min
 # One stage's failure is logged and the next one runs; the exit status is the number of stages that failed.
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_suite.sh OUT LLAMA_SRC [STAGE ...]}
@@ -121,6 +124,8 @@ for s in $STAGES; do
                        --json "$OUT/verify-union-$u-dense-$t.json"
                done ;;
         misses) stage misses python3 bench/engine_kernels.py --misses --json "$OUT/misses.json" ;;
+        rows) stage rows python3 bench/engine.py --skip-upstream --no-decode --routing calibrated \
+                  --prefill 16,32,48,64,96 --row-steps --fle-ubatch 8192 -r 3 --json "$OUT/rows.json" ;;
         dense) stage dense-tests python3 -m pytest -q -n 6 tests/test_cuda_mv.py -k "dense or graph"
                stage dense-kernels python3 bench/engine_kernels.py --dense --json "$OUT/dense.json"
                for k in word stage; do
@@ -129,7 +134,7 @@ for s in $STAGES; do
                    FLE_CUDA_MV_DENSE=$k stage "dense-decode-$k" python3 bench/engine.py --skip-upstream \
                        --routing calibrated -n 64 -r 2 --miss-split auto --json "$OUT/dense-decode-$k.json"
                done ;;
-        *) echo "unknown stage $s (build, tests, slots, prefill, decode, kernels, checks, union, dense, misses)"
+        *) echo "unknown stage $s (build, tests, slots, prefill, decode, kernels, checks, union, dense, misses, rows)"
            failed=$((failed + 1)) ;;
     esac
 done
