@@ -90,15 +90,32 @@ def bench_file(shape: str, routing: str, work: Path) -> Path:
     return path
 
 
-def third_budget(path: Path) -> int:
-    """1/3 of the file's routed-expert bytes (bench/engine.py: the experts of
-    a third of the layers)."""
+def expert_bytes(path: Path) -> "tuple[int, int]":
+    """(layers, routed-expert bytes) of the file."""
     from fle_quant.gguf_reader import GGUFModel
 
     with GGUFModel.open(path) as g:
-        n_layer = int(g.hparam("block_count"))
-        exp_bytes = sum(t.n_bytes for t in g.tensors.values() if "_exps." in t.name)
+        return int(g.hparam("block_count")), sum(t.n_bytes for t in g.tensors.values() if "_exps." in t.name)
+
+
+def third_budget(path: Path) -> int:
+    """1/3 of the file's routed-expert bytes (bench/engine.py: the experts of
+    a third of the layers)."""
+    n_layer, exp_bytes = expert_bytes(path)
     return exp_bytes * (n_layer // 3) // n_layer
+
+
+def budget_of(path: Path, text: str) -> "int | None":
+    """``--cache-budget``: "third", "all" (twice the routed-expert bytes, as
+    bench/engine.py's everything-on-the-GPU runs: every expert in a slot, so
+    the step's growth with T without a single miss), or the engine's sizes."""
+    from fle_engine.runtime import parse_budget
+
+    if text == "third":
+        return third_budget(path)
+    if text == "all":
+        return 2 * expert_bytes(path)[1]
+    return parse_budget(text)
 
 
 def draft_costs(eng, n_max: int, n_tokens: int, seed: int) -> dict:
@@ -251,8 +268,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/fle-bench"), help="bench/engine.py's files (written when "
                    "missing)")
     p.add_argument("--cache-budget", default="third",
-                   help="GPU bytes for expert slots: 'third' (1/3 of the expert bytes, bench/engine.py's), 'auto' or "
-                        "a size such as 5GiB")
+                   help="GPU bytes for expert slots: 'third' (1/3 of the expert bytes, bench/engine.py's), 'all' "
+                        "(every expert cached: the step's growth with T without misses), 'auto' or a size such as 5GiB")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--warmup", type=int, default=256, help="tokens decoded before the measurement")
     p.add_argument("--reps", type=int, default=50, help="replays per step")
@@ -272,14 +289,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
 
-    from fle_engine.runtime import parse_budget
     from fle_quant.errors import FleError
 
     try:
         if args.profile and args.device != "cuda":
             raise FleError("--profile reads the GPU's kernels: it needs --device cuda")
         path = args.model or bench_file(args.shape, args.routing, args.work)
-        budget = third_budget(path) if args.cache_budget == "third" else parse_budget(args.cache_budget)
+        budget = budget_of(path, args.cache_budget)
         accept = tuple(float(x) for x in args.accept.split(","))
         res = run(path, "auto" if budget is None else budget, args.device, args.warmup, args.reps, args.draft_ms,
                   accept, args.seed, miss_split=args.miss_split,

@@ -753,3 +753,28 @@ def test_bench_script_smoke(model_file, tmp_path):
     for r in rows:
         assert r["pcie_bytes_union"] <= r["pcie_bytes_sum"]
         assert r["modelled_tok_s"] == pytest.approx(r["expected_tokens"] / (r["seconds"] + r["drafts"] * 1e-3))
+
+
+def test_bench_all_experts_cached(model_file, tmp_path):
+    """bench/verify_step.py --cache-budget all (every routed expert in a slot,
+    the step's growth with T without misses) on the factory model, on the
+    CPU (the times mean nothing): the budget holds the file's experts, every
+    step hits and reads nothing over PCIe; 'third' holds a third of them."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "verify_step.py"
+    spec = importlib.util.spec_from_file_location("bench_verify_all", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    n_layer, exp_bytes = bench.expert_bytes(model_file)
+    assert bench.budget_of(model_file, "all") >= exp_bytes
+    assert bench.budget_of(model_file, "third") == exp_bytes * (n_layer // 3) // n_layer
+    out = tmp_path / "r.json"
+    assert bench.main(["--model", str(model_file), "--device", "cpu", "--cache-budget", "all", "--warmup", "4",
+                       "--reps", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["drafts"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert r["hit_rate"] == 1.0 and r["pcie_bytes"] == 0 and r["pcie_bytes_sum"] == 0, r
