@@ -40,7 +40,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
-from . import simd
+from . import rowcode, simd
 from .simd512 import AVX512, BLOCK_BYTES, LAYOUTS, PERM, group_sums, stack_f32x16
 
 __all__ = ["ISA", "SIG", "rows_address", "layout", "call_rows", "arrange"]
@@ -51,7 +51,7 @@ _ISA_ID = {"portable": 0, "avx2": 1, "avx512": 2}
 _I64 = ir.IntType(64)
 SIG = types.void(*([types.int64] * 17))
 
-# type codes (as .fle_numba.CODES)
+# type codes (as .rowcode.CODES)
 _IQ2_XS, _IQ2_S, _IQ3_XXS, _IQ3_S, _IQ4_XS, _IQ4_NL, _Q2_0, _Q4_K, _Q5_K, _Q6_K, _Q8_0 = range(11)
 _F32 = np.float32
 
@@ -187,7 +187,7 @@ AVX512_KERNELS = {_IQ3_XXS: "iq3_xxs", _IQ3_S: "iq3_s", _IQ2_XS: "iq2_xs", _IQ4_
 
 
 # ---------------------------------------------------------------------------
-# AVX2 and portable: .fle_numba's row code, one kernel per (ISA, type) as a closure over both
+# AVX2 and portable: .rowcode's row code, one kernel per (ISA, type) as a closure over both
 
 
 def _generic(isa_id: int, code: int):
@@ -197,10 +197,10 @@ def _generic(isa_id: int, code: int):
         W, XQ, XD, XS = _u8(w, r1 * stride), _i8x2(xq, nxr, nx), _f32x2(xd, nxr, ndx), _i32x2(xs, nxr, nxs)
         A, O = _i64(arow, nt), _i64(orow, nt)
         OUT = _f32(out, _rows_out(O, nt) * nout)
-        w64, w8, sc, mn, acc, _ = fle_numba.scratch_of(nt)
+        w64, w8, sc, mn, acc, _ = rowcode.scratch_of(nt)
         b64, b8, bsc, bmn, bacc = simd.borrow(w64), simd.borrow(w8), simd.borrow(sc), simd.borrow(mn), simd.borrow(acc)
         for r in range(r0, r1):
-            fle_numba.row_at(code, W, r * stride, nb, XQ, XD, XS, A, nt, bacc, b64, b8, bsc, bmn)
+            rowcode.row_at(code, W, r * stride, nb, XQ, XD, XS, A, nt, bacc, b64, b8, bsc, bmn)
             for k in range(nt):
                 OUT[O[k] * nout + r] = acc[k]
 
@@ -236,5 +236,3 @@ def rows_address(code: int) -> int:
     """The address of type ``code``'s row kernel in this process (ISA)."""
     return int(kernel(code).address)
 
-
-from . import fle_numba  # noqa: E402  (after the names .fle_numba imports from here)
