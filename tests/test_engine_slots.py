@@ -515,15 +515,41 @@ def test_server_follow_up_turn_reuses_its_slot(files, arch):
         follow = first + r1["tokens"][:-1] + [11, 12, 13, 14]
         r2 = await (await client.post("/completion", json={"prompt": follow, **opts})).json()
         follow2 = follow + r2["tokens"][:-1] + [15, 16]
-        r3 = await (await client.post("/completion", json={"prompt": follow2, "id_slot": 1, **opts})).json()
-        r4 = await (await client.post("/completion", json={"prompt": follow2, "cache_prompt": False, **opts})).json()
+        probs = {"n_probs": 2}
+        r3 = await (await client.post("/completion", json={"prompt": follow2, "id_slot": 1, **opts, **probs})).json()
+        r4 = await (await client.post("/completion", json={"prompt": follow2, "cache_prompt": False, **opts,
+                                                           **probs})).json()
         return follow, r2, follow2, r3, r4
 
     follow, r2, follow2, r3, r4 = _call(srv, fn)
     assert r2["id_slot"] == 1 and r2["timings"]["cache_n"] == len(first) + 4 and r2["timings"]["prompt_n"] == 4
     assert r3["timings"]["cache_n"] == len(follow) + 4 and r3["timings"]["prompt_n"] == 2
-    assert r4["timings"]["cache_n"] == 0 and r4["content"] == r3["content"]
+    assert r4["timings"]["cache_n"] == 0
+    _same_greedy(r3, r4)
     rt.close()
+
+
+def _same_greedy(a: dict, b: dict, tie: float = 1e-3) -> None:
+    """Two greedy answers with ``n_probs`` 2 (llama-server's
+    ``completion_probabilities``) agree: the same tokens, or the same up to
+    a step where the runs' two best tokens are the same pair and within
+    ``tie`` of each other in log-probability in both (a near-tie on a random
+    model, which the last bits of a sum decide: on CUDA a cached turn and a
+    cold run differ in which experts are still read over PCIe, and those go
+    through another kernel), after which they are not compared. Every
+    log-probability before that step agrees within ``tie``."""
+    pa, pb = a["completion_probabilities"], b["completion_probabilities"]
+    assert len(pa) == len(pb) == len(a["tokens"]) == len(b["tokens"])
+    for i, (x, y) in enumerate(zip(pa, pb)):
+        tx, ty = x["top_logprobs"], y["top_logprobs"]
+        if x["id"] != y["id"]:
+            pair = {t["id"] for t in tx}
+            assert pair == {t["id"] for t in ty} == {x["id"], y["id"]}, (i, tx, ty)
+            assert abs(tx[0]["logprob"] - tx[1]["logprob"]) < tie and \
+                abs(ty[0]["logprob"] - ty[1]["logprob"]) < tie, (i, tx, ty)
+            return
+        assert abs(x["logprob"] - y["logprob"]) < tie, (i, x, y)
+    assert a["content"] == b["content"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
