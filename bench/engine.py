@@ -519,6 +519,18 @@ def ctx_check(model: Path, budget) -> dict:
     return out
 
 
+def position_check(model: Path, budget, positions: list[int]) -> dict:
+    """A decode step's cost after prompts of each length in ``positions``
+    (each with just the positions it needs allocated): how a step grows with
+    the sequence (attention over the used length; everything else flat)."""
+    out = {}
+    for p in positions:
+        out[p] = step_time_at(model, p + 128, p, budget)
+        print(f"position {p}: {out[p] * 1e3:.2f} ms per decode step ({out[p] / out[positions[0]]:.2f}x position "
+              f"{positions[0]})", flush=True)
+    return out
+
+
 def memory_check(model: Path, budget, n: int) -> dict:
     """GPU memory before and after ``n`` decoded tokens, and the host time per token."""
     import torch
@@ -582,6 +594,9 @@ def main(argv=None) -> int:
                    help="also: decode step cost at position 1,000 with 8,192 and 131,072 positions allocated, and "
                         "GPU memory over --memory-tokens decoded tokens (on the last file)")
     p.add_argument("--memory-tokens", type=int, default=10000)
+    p.add_argument("--positions", default="",
+                   help="also: the decode step's cost after prompts of these lengths, comma list (e.g. "
+                        "1000,8192,32768), on the last file: how a step grows with the sequence")
     p.add_argument("--prefill", default="",
                    help="also prompt processing at these lengths, comma list (e.g. 1024,4096,8192): upstream with "
                         "-ub 512 and 4096, FLE with --fle-ubatch, the same GPU bytes, on the first routing's file")
@@ -715,6 +730,8 @@ def main(argv=None) -> int:
                     msg += (f"; upstream {lm['upstream_tok_s']:.1f} (measured: its misses run on the CPU); "
                             f"ratio hybrid / upstream {lm['hybrid_ratio']:.2f}")
                 print(msg, flush=True)
+        if args.positions and routing == args.routing.split(",")[-1]:
+            results["positions"] = position_check(path, budget, [int(v) for v in args.positions.split(",")])
         if args.no_decode:
             results["runs"].append(row)
             continue
