@@ -8,6 +8,9 @@ operation that computes (not views).
 
 ``hits_per_step``: the expert cache's hits of every step, as the cache
 observes them (a warm start hits from the first step, a cold one cannot).
+
+``reference_greedy``: greedy tokens and per-step logits of the reference
+forward pass, one token per call, that the engine is held to.
 """
 from __future__ import annotations
 
@@ -99,3 +102,23 @@ def hits_per_step(cache) -> list:
 
     cache.observe = recording
     return seen
+
+
+def reference_greedy(path, prompt, n: int, device) -> "tuple[list[int], torch.Tensor]":
+    """The reference pass (``fle_engine.load``, experts resident) on ``path``:
+    ``n`` greedy tokens after ``prompt``, one token per call, and the logits
+    of every step [n, vocab] (the prompt's last, then each token's but the
+    last)."""
+    from fle_engine import load
+
+    model = load(path, device=device, experts="resident")
+    state = model.new_state(len(prompt) + n + 8)
+    out = model.forward(prompt, state)
+    toks, logits = [], [out[-1].float().cpu()]
+    while True:
+        t = int(torch.argmax(out[-1]))
+        toks.append(t)
+        if len(toks) == n:
+            return toks, torch.stack(logits)
+        out = model.forward([t], state)
+        logits.append(out[-1].float().cpu())

@@ -18,7 +18,6 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from fle_engine import load  # noqa: E402
 from fle_engine.expert_cache import Profile, save_profile  # noqa: E402
 from fle_engine.kernels import engine_ops  # noqa: E402
 from fle_engine.runtime import Engine, parse_budget  # noqa: E402
@@ -26,7 +25,7 @@ from fle_quant.errors import FleError  # noqa: E402
 from fle_quant.ggml_types import GGMLType  # noqa: E402
 from fle_quant.quants import quantize  # noqa: E402
 from fle_quant.synth import make_model  # noqa: E402
-from engine_helpers import count_launches, hits_per_step  # noqa: E402
+from engine_helpers import count_launches, hits_per_step, reference_greedy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("exact_float32")
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -42,20 +41,8 @@ def model_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model_file):
     """Greedy tokens and logits of the reference pass, one token per call."""
-    model = load(model_file, device=DEVICE, experts="resident")
-    state = model.new_state(N_TOKENS + 8)
     prompt = [1, 17, 42, 99]
-    out = model.forward(prompt, state)
-    logits = [out[-1].float().cpu()]
-    toks = []
-    for _ in range(N_TOKENS):
-        t = int(torch.argmax(out[-1]))
-        toks.append(t)
-        if len(toks) == N_TOKENS:
-            break
-        out = model.forward([t], state)
-        logits.append(out[-1].float().cpu())
-    return prompt, toks, torch.stack(logits)
+    return (prompt, *reference_greedy(model_file, prompt, N_TOKENS, DEVICE))
 
 
 @pytest.fixture(scope="module")
@@ -76,17 +63,7 @@ def _kv_dtypes(eng) -> set:
 
 
 def _reference_greedy(path, prompt, n):
-    model = load(path, device=DEVICE, experts="resident")
-    state = model.new_state(len(prompt) + n + 8)
-    out = model.forward(prompt, state)
-    toks, logits = [], [out[-1].float().cpu()]
-    while True:
-        t = int(torch.argmax(out[-1]))
-        toks.append(t)
-        if len(toks) == n:
-            return toks, torch.stack(logits)
-        out = model.forward([t], state)
-        logits.append(out[-1].float().cpu())
+    return reference_greedy(path, prompt, n, DEVICE)
 
 
 def _engine(path, budget, tmp_path, profile="none", kv="f32", **kw):

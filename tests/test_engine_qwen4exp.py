@@ -30,7 +30,7 @@ from fle_quant.errors import FleError  # noqa: E402
 from fle_quant.ggml_types import GGMLType  # noqa: E402
 from fle_quant.quants import quantize  # noqa: E402
 from fle_quant.synth import make_model  # noqa: E402
-from engine_helpers import count_launches, hits_per_step  # noqa: E402
+from engine_helpers import count_launches, hits_per_step, reference_greedy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("exact_float32")
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -47,17 +47,7 @@ def model_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model_file):
     """Greedy tokens of the reference pass and its logits at every step."""
-    model = load(model_file, device=DEVICE, experts="resident")
-    state = model.new_state(len(PROMPT) + N_TOKENS + 8)
-    out = model.forward(PROMPT, state)
-    toks, logits = [], [out[-1].float().cpu()]
-    while True:
-        t = int(torch.argmax(out[-1]))
-        toks.append(t)
-        if len(toks) == N_TOKENS:
-            return toks, torch.stack(logits)
-        out = model.forward([t], state)
-        logits.append(out[-1].float().cpu())
+    return reference_greedy(model_file, PROMPT, N_TOKENS, DEVICE)
 
 
 def _engine(path, budget, profile="none", kv="f32", **kw):
