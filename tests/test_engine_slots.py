@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -26,49 +25,18 @@ if not CUDA:
 from fle_engine.kernels import engine_ops  # noqa: E402
 from fle_engine.runtime import Engine  # noqa: E402
 from fle_quant.errors import FleError  # noqa: E402
-from fle_quant.synth import make_model  # noqa: E402
+from lanes_helpers import ARCHS, TOL, arch_files  # noqa: E402
+from lanes_helpers import alone as _alone, close_rel as _close, lane_engine as _engine  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("exact_float32", "one_torch_thread")
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-ARCHS = ["qwen3moe", "qwen3next", "qwen4exp"]
-# logits of a lane against the one-sequence engine, relative to the largest |logit|: the batched products sum in
-# another order than one-row ones
-TOL = 1e-3 if CUDA else 1e-4
 # prompts of unequal lengths: the third is long enough for prefill (prefill_min 8), the others run as steps
 PROMPTS = [[1, 17, 42, 99, 5, 7], [3, 4, 8], [10 + (i * 37) % 300 for i in range(21)]]
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("lanes")
-    return {arch: make_model(d / f"{arch}.gguf", arch, seed=3 + i, mix="release", routing_skew=1.0)
-            for i, arch in enumerate(ARCHS)}
-
-
-def _engine(path, ctx=64, **kw):
-    return Engine(path, device=DEVICE, cache_budget=kw.pop("budget", 0), ctx_size=ctx, cache_type_k="f32",
-                  cache_type_v="f32", profile_path="none", progress=False, log=lambda m: None,
-                  prefill_min=kw.pop("prefill_min", 8), **kw)
-
-
-def _close(a, b, tol=TOL):
-    scale = float(b.abs().max()) or 1.0
-    assert float((a - b).abs().max()) <= tol * scale, float((a - b).abs().max()) / scale
-
-
-def _alone(path, prompt, n, **kw):
-    """Greedy tokens of ``prompt`` decoded alone by the one-sequence engine,
-    and the logits that chose each [n, V]."""
-    eng = _engine(path, **kw)
-    logits = []
-
-    def greedy(x):
-        logits.append(torch.from_numpy(np.array(x, np.float32, copy=True)))
-        return int(np.argmax(x))
-
-    toks = list(eng.tokens(prompt, n, sampler=greedy))
-    eng.close()
-    return toks, torch.stack(logits)
+    return arch_files(tmp_path_factory, "lanes")
 
 
 def _run_lanes(eng, schedule, n_steps):

@@ -21,7 +21,6 @@ import json
 import math
 import os
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -33,55 +32,21 @@ if not CUDA:
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
 import fle_engine  # noqa: E402
-from fle_engine.runtime import Engine, qwen3moe, qwen3next, qwen4exp  # noqa: E402
+from fle_engine.runtime import qwen3moe, qwen3next, qwen4exp  # noqa: E402
 from fle_engine.server import Engine as Server  # noqa: E402
 from fle_engine.server import create_app  # noqa: E402
 from fle_engine.tokenizer import Tokenizer  # noqa: E402
 from fle_quant.errors import FleError  # noqa: E402
-from fle_quant.synth import make_model  # noqa: E402
+from lanes_helpers import ARCHS, TOL, arch_files  # noqa: E402
+from lanes_helpers import alone as _alone, close_rel as _close, lane_engine as _engine  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("exact_float32", "one_torch_thread")
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-ARCHS = ["qwen3moe", "qwen3next", "qwen4exp"]
-# as tests/test_engine_slots.py: a lane's logits against the one-sequence engine, relative to the largest |logit|
-TOL = 1e-3 if CUDA else 1e-4
 PROMPT = [10 + (i * 37) % 300 for i in range(21)]       # prefilled (prefill_min 8)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("lanesrv")
-    return {arch: make_model(d / f"{arch}.gguf", arch, seed=3 + i, mix="release", routing_skew=1.0)
-            for i, arch in enumerate(ARCHS)}
-
-
-def _engine(path, ctx=64, **kw):
-    return Engine(path, device=DEVICE, cache_budget=kw.pop("budget", 0), ctx_size=ctx, cache_type_k="f32",
-                  cache_type_v="f32", profile_path="none", progress=False, log=lambda m: None,
-                  prefill_min=kw.pop("prefill_min", 8), **kw)
-
-
-def _close(a, b, tol=TOL):
-    scale = float(b.abs().max()) or 1.0
-    assert float((a - b).abs().max()) <= tol * scale, float((a - b).abs().max()) / scale
-
-
-def _alone(path, prompt, n, f32_prefill=False, **kw):
-    """Greedy tokens of ``prompt`` on the one-sequence engine and the logits
-    that chose each [n, V] (``f32_prefill``: its prefill multiplies in
-    float32 also on CUDA)."""
-    eng = _engine(path, **kw)
-    if f32_prefill and eng.prefill is not None:
-        eng.prefill.bf16 = False
-    logits = []
-
-    def greedy(x):
-        logits.append(torch.from_numpy(np.array(x, np.float32, copy=True)))
-        return int(np.argmax(x))
-
-    toks = list(eng.tokens(prompt, n, sampler=greedy))
-    eng.close()
-    return toks, torch.stack(logits)
+    return arch_files(tmp_path_factory, "lanesrv")
 
 
 def _greedy_lanes(eng, lanes, first, n):
