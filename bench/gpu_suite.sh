@@ -38,7 +38,8 @@
 #            bytes cached with the misses split (the measure), then every expert cached (no misses: how
 #            the dense, attention and cached-expert kernels grow with T), both profiled at n = 0 and 2
 #   long     FLE alone, calibrated routing: the decode step after prompts of 1,000, 8,192 and 32,768 tokens
-#            (bench/engine.py --positions): how a step grows with the sequence
+#            (bench/engine.py --positions): how a step grows with the sequence, with the attention split into 32
+#            (the default) and 128 chunks (FLE_ATTN_SPLITS), after the attention tests with other split counts
 #   rows     short prompts, 30B-A3B shape, calibrated routing, FLE alone: prefill (-ub 8192) against decode steps of
 #            one and of --prompt-rows tokens at 16-96 tokens (bench/engine.py --prefill ... --row-steps), for the
 #            choice of --prefill-min
@@ -133,8 +134,11 @@ for s in $STAGES; do
                     stage "verify-$b" python3 bench/verify_step.py --routing calibrated --cache-budget $b --warmup 256 \
                         --reps 30 --miss-split auto --profile 0,2 --json "$OUT/verify-$b.json"
                 done ;;
-        long) stage long python3 bench/engine.py --skip-upstream --no-decode --routing calibrated \
-                  --positions 1000,8192,32768 --json "$OUT/long.json" ;;
+        long) stage long-tests python3 -m pytest -q tests/test_engine.py -k "attention"
+              for n in 32 128; do
+                  FLE_ATTN_SPLITS=$n stage "long-$n" python3 bench/engine.py --skip-upstream --no-decode \
+                      --routing calibrated --positions 1000,8192,32768 --json "$OUT/long-$n.json"
+              done ;;
         rows) stage rows python3 bench/engine.py --skip-upstream --no-decode --routing calibrated \
                   --prefill 16,32,48,64,96 --row-steps --fle-ubatch 8192 -r 3 --json "$OUT/rows.json" ;;
         dense) stage dense-tests python3 -m pytest -q -n 6 tests/test_cuda_mv.py -k "dense or graph"

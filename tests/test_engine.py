@@ -581,6 +581,30 @@ def test_qk_rope_kv_and_attention_kernels(fast, n_rot):
             _close(tb, ta)
 
 
+@pytest.mark.parametrize("splits", [8, 128])
+def test_attention_with_other_split_counts(fast, monkeypatch, splits):
+    """FLE_ATTN_SPLITS (triton_engine.ATTN_SPLITS) other than the default:
+    lengths below the split count (empty splits), around one chunk of 16
+    positions per split and above it, against the reference."""
+    from fle_engine.kernels import triton_engine
+    from fle_engine.kernels.triton_engine import attn_scratch
+
+    monkeypatch.setattr(triton_engine, "ATTN_SPLITS", splits)
+    torch.manual_seed(11)
+    n_head, n_kv, dh, n_pos = 8, 2, 64, 400
+    kc, vc = torch.randn(n_kv, n_pos, dh), torch.randn(n_kv, n_pos, dh)
+    partial, ml = attn_scratch(n_kv, n_head, dh, DEVICE)
+    assert partial.shape[0] == n_kv * splits * 4
+    for pos in (0, 5, 130, 399):
+        q = torch.randn(n_head * dh)
+        p = torch.tensor([pos])
+        want = torch.zeros(n_head * dh)
+        engine_ops.REFERENCE.attention(q, kc, vc, p, dh ** -0.5, want, None, None)
+        got = torch.zeros(n_head * dh, device=DEVICE)
+        fast.attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), p.to(DEVICE), dh ** -0.5, got, partial, ml)
+        _close(got.cpu(), want)
+
+
 def test_q8_0_kv_quantizer_is_ggml_q8_0():
     """The q8_0 KV cache holds ggml's q8_0 blocks: the bytes equal
     fle_quant's Q8_0 quantizer (bit-exact with ggml's, tests/test_quantize)."""

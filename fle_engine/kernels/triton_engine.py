@@ -59,7 +59,26 @@ __all__ = ["gdn_tokens", "stage_pick", "stage_copy", "stage_apply", "experts", "
            "qk_rope_kv_multi", "attention", "attention_multi", "embed_row", "hc_write_norm", "hc_mix", "gather_rows",
            "gdn_step", "ATTN_SPLITS"]
 
-ATTN_SPLITS = 32
+def _attn_splits() -> int:
+    """FLE_ATTN_SPLITS, or 32: the programs per KV head that a decode step's
+    attention splits the sequence into (each a chunk of the used length,
+    then one reduction). More splits read a long sequence with more loads in
+    flight and cost a short one scratch rows that hold nothing: 32 until a
+    GPU run of ``bench/engine.py --positions`` (bench/gpu_suite.sh long) has
+    timed others."""
+    env = os.environ.get("FLE_ATTN_SPLITS", "32")
+    try:
+        n = int(env)
+    except ValueError:
+        n = 0
+    if n < 8 or n > 512 or n & (n - 1):
+        from fle_quant.errors import FleError
+
+        raise FleError(f"FLE_ATTN_SPLITS={env!r}: give a power of two from 8 to 512 (default 32)")
+    return n
+
+
+ATTN_SPLITS = _attn_splits()
 
 
 # ---------------------------------------------------------------------------
