@@ -195,3 +195,30 @@ def exact_float32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = old
+
+
+# the small model of the generation and server tests (test_generate, test_server*): a qwen3moe factory model in
+# float32, its reference forward pass and its tokenizer, made once per module that asks for them (a module
+# with a model of its own defines these names itself)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    from fle_quant.synth import make_model
+
+    return make_model(tmp_path_factory.mktemp("tiny") / "m.gguf", "qwen3moe", mix="f32")
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    pytest.importorskip("torch")
+    import fle_engine
+
+    return fle_engine.load(model_path)
+
+
+@pytest.fixture(scope="module")
+def tok(model_path):
+    from fle_engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(model_path)

@@ -29,21 +29,6 @@ GREEDY = SamplerParams(temp=0.0, seed=0)
 
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("gen") / "m.gguf", "qwen3moe", mix="f32")
-
-
-@pytest.fixture(scope="module")
-def model(model_path):
-    return fle_engine.load(model_path)
-
-
-@pytest.fixture(scope="module")
-def tok(model_path):
-    return Tokenizer.from_gguf(model_path)
-
-
 class Recorder:
     """Wraps a model's forward and records how many tokens each call got."""
 

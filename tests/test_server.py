@@ -50,21 +50,6 @@ N_CTX = 128
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("serve") / "m.gguf", "qwen3moe", mix="f32")
-
-
-@pytest.fixture(scope="module")
-def model(model_path):
-    return fle_engine.load(model_path)
-
-
-@pytest.fixture(scope="module")
-def tok(model_path):
-    return Tokenizer.from_gguf(model_path)
-
-
-@pytest.fixture(scope="module")
 def engine(model, tok):
     return Engine(model, tok, n_ctx=N_CTX, name="tiny")
 

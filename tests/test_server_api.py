@@ -27,28 +27,11 @@ from fle_engine.chat import render_prompt  # noqa: E402
 from fle_engine.sampling import Sampler, SamplerParams, generate_tokens  # noqa: E402
 from fle_engine.server import Engine, create_app  # noqa: E402
 from fle_engine.server.tools import ToolCallStream, parse_call  # noqa: E402
-from fle_engine.tokenizer import Tokenizer  # noqa: E402
-from fle_quant.synth import make_model  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_server import Scripted, chat_engine, events  # noqa: E402
 
 GREEDY = SamplerParams(temp=0.0, seed=0)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("api") / "m.gguf", "qwen3moe", mix="f32")
-
-
-@pytest.fixture(scope="module")
-def model(model_path):
-    return fle_engine.load(model_path)
-
-
-@pytest.fixture(scope="module")
-def tok(model_path):
-    return Tokenizer.from_gguf(model_path)
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,11 @@ pytest.importorskip("aiohttp")
 
 import fle_engine  # noqa: E402
 from fle_engine.tokenizer import Tokenizer  # noqa: E402
-from fle_quant.synth import make_model  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("serve_load", Path(__file__).parents[1] / "bench" / "serve_load.py")
 SL = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("serve_load", SL)     # its dataclasses look their module up
 _spec.loader.exec_module(SL)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("load") / "m.gguf", "qwen3moe", mix="f32")
 
 
 def test_load_check_passes_on_the_server(model_path):

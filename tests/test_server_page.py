@@ -24,15 +24,9 @@ from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
 import fle_engine  # noqa: E402
 from fle_engine.server import create_app  # noqa: E402
-from fle_quant.synth import make_model  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_server import THINKING_TEMPLATE, chat_engine, events  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("page") / "m.gguf", "qwen3moe", mix="f32")
 
 
 @pytest.fixture(scope="module")
