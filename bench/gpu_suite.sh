@@ -36,7 +36,10 @@
 #            (bench/engine_kernels.py --misses): this machine's zero-copy speed, which differs between machines
 #   verify   the verify step's T(n), n = 0..3, at the calibrated skew with the default kernels: 1/3 of the expert
 #            bytes cached with the misses split (the measure), then every expert cached (no misses: how
-#            the dense, attention and cached-expert kernels grow with T), both profiled at n = 0 and 2
+#            the dense, attention and cached-expert kernels grow with T), both profiled at n = 0 and 2; then the
+#            tests of prefetch in T-row steps and 1/3 cached with 4 predicted misses per layer copied one layer
+#            ahead (--miss-prefetch 4: the step's union of misses read while the layer before computes), misses
+#            on the GPU and split
 #   long     FLE alone, calibrated routing: the decode step after prompts of 1,000, 8,192 and 32,768 tokens
 #            (bench/engine.py --positions): how a step grows with the sequence, with the attention split into 32
 #            (the default) and 128 chunks (FLE_ATTN_SPLITS), after the attention tests with other split counts
@@ -133,6 +136,11 @@ for s in $STAGES; do
         verify) for b in third all; do
                     stage "verify-$b" python3 bench/verify_step.py --routing calibrated --cache-budget $b --warmup 256 \
                         --reps 30 --miss-split auto --profile 0,2 --json "$OUT/verify-$b.json"
+                done
+                stage verify-prefetch-tests python3 -m pytest -q -n 4 tests/test_miss_prefetch.py
+                for sp in gpu auto; do
+                    stage "verify-prefetch-$sp" python3 bench/verify_step.py --routing calibrated --warmup 256 \
+                        --reps 30 --miss-split $sp --miss-prefetch 4 --json "$OUT/verify-prefetch-$sp.json"
                 done ;;
         long) stage long-tests python3 -m pytest -q tests/test_engine.py -k "attention"
               for n in 32 128; do

@@ -142,13 +142,14 @@ def draft_costs(eng, n_max: int, n_tokens: int, seed: int) -> dict:
 
 
 def run(model: Path, budget, device: str, warmup: int, reps: int, draft_ms: float, accept, seed: int,
-        miss_split: str = "gpu", profile: tuple = (), drafters: tuple = (), draft_tokens: int = 64) -> dict:
+        miss_split: str = "gpu", profile: tuple = (), drafters: tuple = (), draft_tokens: int = 64,
+        miss_prefetch: int = 0) -> dict:
     from fle_engine.runtime import Engine
 
     ctx = max(256, warmup + 64, 16 + draft_tokens + 8)
     mtp = dict(mtp=True, mtp_drafter=drafters[0]) if drafters else {}
     eng = Engine(model, device=device, cache_budget=budget, ctx_size=ctx, profile_path="none", progress=False,
-                 miss_split=miss_split, **mtp)
+                 miss_split=miss_split, miss_prefetch=miss_prefetch, **mtp)
     try:
         rng = np.random.default_rng(seed)
         v = eng.args.n_vocab
@@ -158,10 +159,15 @@ def run(model: Path, budget, device: str, warmup: int, reps: int, draft_ms: floa
         res = {"model": str(model), "device": device, "cache_bytes": eng.cache.budget_used, "position": eng.launched,
                "warmup_tokens": warmup, "warmup_decode_tok_s": decode_tok_s,
                "warmup_hit_rate": eng.cache.stats.hit_rate, "reps": reps, "draft_ms": draft_ms,
-               "accept": list(accept), "miss_split": miss_split,
+               "accept": list(accept), "miss_split": miss_split, "miss_prefetch": miss_prefetch,
                "cpu_share": eng.split.share / 256 if eng.split is not None else 0.0, "rows": []}
         for n in range(len(accept) + 1):
+            if eng.prefetch is not None:
+                eng.prefetch.reset_counts()
             c = eng.step_cost(1 + n, reps=reps, seed=seed + n)
+            if eng.prefetch is not None:    # experts copied ahead per step, and the share of them the step used
+                pf = eng.prefetch.summary(reps + 1)            # step_cost's replays and its unmeasured first
+                c = dict(c, prefetch_copied=pf["copied_per_step"], prefetch_used=pf["used_fraction"])
             res["rows"].append(dict(c, drafts=n))
         t_0 = res["rows"][0]["seconds"]
         # the link's speed, for the bound that the drafts' own misses put on T(n) (CUDA only)
@@ -234,6 +240,9 @@ def report(res: dict) -> None:
               f"{r['pcie_bytes'] / mb:>8.1f} {r['cpu_bytes'] / mb:>7.1f} {r['pcie_bytes_tokens'] / mb:>9.1f} "
               f"{r['cpu_bytes_tokens'] / mb:>8.1f} {r['miss_rows']:>7.1f} "
               f"{r['distinct_misses']:>8.1f} {r['expected_tokens']:>6.3f} {r['modelled_tok_s']:>8.1f}")
+    if res.get("miss_prefetch"):
+        print(f"--miss-prefetch {res['miss_prefetch']}: experts copied one layer ahead per step " + ", ".join(
+            f"n = {r['drafts']}: {r['prefetch_copied']:.1f} ({r['prefetch_used']:.0%} used)" for r in res["rows"]))
     print("miss MB union / sum: bytes of missed experts per step, each distinct one once / summed over the step's "
           "tokens; PCIe MB / CPU MB: the step's split of the union (runtime.split's union rule), PCIe sum / CPU sum: "
           "what the T tokens' one-token steps would read on each side")
@@ -286,6 +295,9 @@ def main(argv=None) -> int:
     p.add_argument("--drafters", default="", help="MTP drafters to time (eager, step: the engine's --mtp-drafter; "
                    "e.g. eager,step) on a file with an MTP head (--shape 80b-a3b-mtp)")
     p.add_argument("--draft-tokens", type=int, default=64, help="tokens of each timed speculative run (default 64)")
+    p.add_argument("--miss-prefetch", type=int, default=0,
+                   help="the engine's --miss-prefetch: up to N predicted misses per layer copied one layer ahead, "
+                        "for all the rows of a T-row step at once (default 0: off)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
 
@@ -298,7 +310,7 @@ def main(argv=None) -> int:
         budget = budget_of(path, args.cache_budget)
         accept = tuple(float(x) for x in args.accept.split(","))
         res = run(path, "auto" if budget is None else budget, args.device, args.warmup, args.reps, args.draft_ms,
-                  accept, args.seed, miss_split=args.miss_split,
+                  accept, args.seed, miss_split=args.miss_split, miss_prefetch=args.miss_prefetch,
                   profile=tuple(int(x) for x in args.profile.split(",") if x.strip()),
                   drafters=tuple(x.strip() for x in args.drafters.split(",") if x.strip()),
                   draft_tokens=args.draft_tokens)

@@ -39,10 +39,10 @@ def _te():
 
 
 # the operations ------------------------------------------------------------------------
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_stage_pick_takes_the_first_missing_experts_of_the_top_k(seed):
+@pytest.mark.parametrize("seed,n_exp,k,r", [(0, 40, 6, 3), (1, 40, 6, 3), (2, 40, 6, 3), (3, 128, 32, 6)])
+def test_stage_pick_takes_the_first_missing_experts_of_the_top_k(seed, n_exp, k, r):
+    """One row's top K (K: the routed count), or a T-row step's top T x K of the rows' highest logits."""
     g = torch.Generator().manual_seed(seed)
-    n_exp, k, r = 40, 6, 3
     logits = torch.randn(n_exp, generator=g)
     logits[5] = logits[9]                             # a tie: the lower id first
     slot_of = torch.where(torch.rand(n_exp, generator=g) < 0.5, 0, -1).to(torch.int32)
@@ -170,6 +170,34 @@ def test_prefetch_leaves_tokens_and_logits_bit_equal(files, arch):
     assert got == want
     assert torch.equal(got_logits, want_logits)
     assert d["copied"] > 0 and 0 <= d["used"] <= d["copied"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next", "qwen4exp"])
+def test_prefetch_in_t_row_steps_is_bit_equal(files, arch):
+    """The verify step (T = 1 + 3 tokens) and a prompt's T-row steps
+    prefetch the next layer's predicted misses of all their rows: the same
+    tokens and logits, bit for bit, as without prefetch, and the step copies
+    experts ahead that its layers use."""
+    drafts = [300, 12, 77]
+
+    def run(eng):
+        first = eng.generate(PROMPT, 1)                 # the prompt in T-row steps (--prompt-rows 4)
+        before = eng.prefetch.summary(1)["copied"] if eng.prefetch is not None else 0
+        out = eng.verify_step(first + drafts)
+        copied = eng.prefetch.summary(1)["copied"] - before if eng.prefetch is not None else 0
+        return first + out, eng.state.multi.logits[:4].float().cpu().clone(), copied
+
+    with _engine(files[arch], per_layer=6) as e0:
+        assert e0.prompt_rows > 1
+        want, want_logits, _ = run(e0)
+    with _engine(files[arch], per_layer=6, miss_prefetch=2) as e1:
+        assert all(0 < s < e1.args.n_expert for s in e1.cache.slots_per_layer.values())
+        got, got_logits, copied = run(e1)
+        d = e1.prefetch.summary(e1.cache.stats.steps)
+        assert torch.equal(e1.cache.map.cpu(), torch.from_numpy(e1.cache.mirror))   # no prefetch entry left
+    assert got == want
+    assert torch.equal(got_logits, want_logits)
+    assert copied > 0 and 0 < d["used"] <= d["copied"]
 
 
 def test_prefetch_with_misses_on_the_cpu_gives_the_same_tokens(files):

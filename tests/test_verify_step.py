@@ -778,3 +778,27 @@ def test_bench_all_experts_cached(model_file, tmp_path):
     assert [r["drafts"] for r in rows] == [0, 1, 2, 3]
     for r in rows:
         assert r["hit_rate"] == 1.0 and r["pcie_bytes"] == 0 and r["pcie_bytes_sum"] == 0, r
+
+
+def test_bench_with_prefetch(model_file, tmp_path):
+    """bench/verify_step.py --miss-prefetch 2 on the factory model, on the
+    CPU (the times mean nothing): every step size copies experts ahead, and
+    the share of them its layers used is reported."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "verify_step.py"
+    spec = importlib.util.spec_from_file_location("bench_verify_prefetch", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    n_layer, exp_bytes = bench.expert_bytes(model_file)
+    out = tmp_path / "r.json"
+    budget = str(6 * exp_bytes // (8 * n_layer) * n_layer)          # 6 of the factory's 8 experts a layer
+    assert bench.main(["--model", str(model_file), "--device", "cpu", "--cache-budget", budget, "--warmup", "4",
+                       "--reps", "2", "--miss-prefetch", "2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["miss_prefetch"] == 2
+    for r in res["rows"]:
+        assert r["prefetch_copied"] >= 0 and 0 <= r["prefetch_used"] <= 1
+    assert any(r["prefetch_copied"] > 0 for r in res["rows"][1:])

@@ -345,7 +345,8 @@ class Engine:
         if self.miss_prefetch and any(self.cache.slots_per_layer[l] < a.n_expert for l in self.net.layouts):
             from .stage import MissPrefetch
 
-            self.prefetch = st.stage = MissPrefetch(self.net, self.cache, self.miss_prefetch, self.device, self.fast)
+            self.prefetch = st.stage = MissPrefetch(self.net, self.cache, self.miss_prefetch, self.device, self.fast,
+                                                    t_max=VERIFY_MAX)
             self.log(f"misses: up to {self.miss_prefetch} predicted misses per layer copied one layer ahead on a "
                      f"copy stream ({self.cache.stage_nbytes / 2**20:.0f} MiB of the budget)")
         self.split = None

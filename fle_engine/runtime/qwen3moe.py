@@ -597,11 +597,16 @@ class Net:
         a, m = self.args, state.multi
         k, lay = a.n_expert_used, mo.layout
         xn = m.xn[:n]
+        stage = getattr(state, "stage", None)
+        if stage is not None:
+            stage.fork(il, xn, ops)             # the next layer's predicted misses of the T rows, on a copy stream
         ops.float_mv(xn, mo.router, m.router[:n])
         smap = cache.layer_map(il)
         ops.route_topk(m.router[:n], k, a.expert_weights_scale, smap, m.ids[:n], m.wts[:n],
                        m.ids_log[il, :n * k].view(n, k), m.hit_log[il, :n * k].view(n, k))
         ids, wts, h, y = m.ids[:n].view(-1), m.wts[:n].view(-1), m.h[:n * k], m.y[:n].view(n * k, -1)
+        if stage is not None:
+            stage.apply(il, ids, ops)
         split = getattr(state, "split", None)
         share = self.multi_share(state, il, n)
         if share:
@@ -645,6 +650,8 @@ class Net:
         elif mo.shared is not None:
             m.parts[:n, :k].copy_(m.y[:n])
             self.shared_expert(mo, xn, m.sg[:n], m.su[:n], m.sgate[:n], m.parts[:n, k], self.impl(state))
+        if stage is not None:
+            stage.finish(il, ops)               # after the wait: it reads the map as the post did
 
     def multi_parts(self, mo: Moe, state, n: int) -> Tensor:
         """The parts that :meth:`moe_multi` wrote for T tokens: [T, K (+1) (+1), D]."""

@@ -30,6 +30,14 @@ for the copy before switching the next layer's map. The bytes and kernels
 are the same as without prefetch, so the step's results are bit-equal; a
 wrong prediction costs only link time.
 
+A step of T rows (the verify step, a prompt's T-row steps: ``Net.moe_multi``)
+prefetches the same way for all its rows at once: the next layer's router
+applied to each row, each expert scored by its highest logit over the rows,
+and the first R missing among the top T x K of those scores copied (the
+rows' top-K sets fall within them but for near-ties across rows), so that
+the step's larger union of misses is read over the link while the main
+stream computes the layer before.
+
 What prefetch achieved is counted on the device (experts copied, and of
 them the ones the layer used) and read at the end of a run.
 """
@@ -43,12 +51,14 @@ __all__ = ["MissPrefetch"]
 
 
 class MissPrefetch:
-    """The prefetch of one engine's single-token step (see the module
-    docstring); ``rows``: experts prefetched per layer at most."""
+    """The prefetch of one engine's steps (see the module docstring);
+    ``rows``: experts prefetched per layer at most; ``t_max``: the most
+    token rows of one step (the verify step's)."""
 
-    def __init__(self, net, cache, rows: int, device: torch.device, fast: bool):
+    def __init__(self, net, cache, rows: int, device: torch.device, fast: bool, t_max: int = 1):
         a = net.args
         self.rows, self.n_used, self.fast = int(rows), a.n_expert_used, fast
+        self.n_expert = a.n_expert
         self.cuda = device.type == "cuda"
         self.cache = cache
         moe = sorted(net.layouts)
@@ -64,6 +74,7 @@ class MissPrefetch:
             rec = SimpleNamespace(
                 src=src, dst=dst, router=net.layers[dst].moe.router,
                 logits=torch.zeros(1, a.n_expert, dtype=torch.float32, device=device),
+                row_logits=torch.zeros(max(1, int(t_max)), a.n_expert, dtype=torch.float32, device=device),
                 stage=torch.full((self.rows,), -1, dtype=torch.int32, device=device),
                 first=cache.stage_first[dst][rank % 2],
                 words=words, delta=delta, expert_words=lay.expert_bytes // words.element_size(),
@@ -79,25 +90,38 @@ class MissPrefetch:
 
     # the step's hooks (runtime.qwen3moe.Net.moe) ----------------------------------
     def fork(self, il: int, xn: torch.Tensor, ops) -> None:
-        """At the start of MoE layer ``il`` (``xn``: its normed input):
-        predict and copy the next layer's missing experts."""
+        """At the start of MoE layer ``il`` (``xn`` [T, D]: its normed input,
+        one row or a T-row step's): predict and copy the next layer's missing
+        experts."""
         rec = self.plan.get(il)
         if rec is None:
             return
-        smap = self.cache.layer_map(rec.dst)
         if not self.cuda:
-            torch.matmul(xn, rec.router.T, out=rec.logits)
-            ops.stage_pick(rec.logits[0], smap, self.n_used, rec.stage)
-            self._copy(rec, ops)
+            self._predict(rec, xn)
+            self._pick_copy(rec, xn.shape[0], ops)
             return
         main, side = torch.cuda.current_stream(), self.stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            torch.matmul(xn, rec.router.T, out=rec.logits)
+            self._predict(rec, xn)
             rec.read.record(side)
-            ops.stage_pick(rec.logits[0], smap, self.n_used, rec.stage)
-            self._copy(rec, ops)
+            self._pick_copy(rec, xn.shape[0], ops)
             rec.done.record(side)
+
+    @staticmethod
+    def _predict(rec, xn: torch.Tensor) -> None:
+        """The next layer's router logits of the rows -> ``rec.logits``: one
+        row's own, or each expert's highest over the T rows."""
+        n = xn.shape[0]
+        if n == 1:
+            torch.matmul(xn, rec.router.T, out=rec.logits)
+        else:
+            torch.matmul(xn, rec.router.T, out=rec.row_logits[:n])
+            torch.amax(rec.row_logits[:n], dim=0, keepdim=True, out=rec.logits)
+
+    def _pick_copy(self, rec, n: int, ops) -> None:
+        ops.stage_pick(rec.logits[0], self.cache.layer_map(rec.dst), min(n * self.n_used, self.n_expert), rec.stage)
+        self._copy(rec, ops)
 
     def _copy(self, rec, ops) -> None:
         if self.fast:
@@ -106,8 +130,9 @@ class MissPrefetch:
             ops.stage_copy(rec.store, 0, 0, rec.stage, rec.first)
 
     def apply(self, il: int, ids: torch.Tensor, ops) -> None:
-        """After layer ``il``'s routing: switch the previous layer's
-        prefetched experts out of its map and this layer's in."""
+        """After layer ``il``'s routing (``ids``: its routed ids, [T K] of a
+        T-row step flat): switch the previous layer's prefetched experts out
+        of its map and this layer's in."""
         rec = self.target_of.get(il)
         prev = self._prev
         if rec is None and prev is None:
