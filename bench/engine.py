@@ -492,11 +492,11 @@ def link_model(row: dict, link_bps: float, pinned_bps: float) -> "dict | None":
     return out
 
 
-def step_time_at(model: Path, ctx: int, position: int, budget, n: int = 64) -> float:
+def step_time_at(model: Path, ctx: int, position: int, budget, n: int = 64, device: str = "cuda") -> float:
     """Seconds per decode step just after ``position`` with ``ctx`` positions allocated."""
     from fle_engine.runtime import Engine
 
-    eng = Engine(model, device="cuda", cache_budget=budget, ctx_size=ctx, profile_path="none", progress=False)
+    eng = Engine(model, device=device, cache_budget=budget, ctx_size=ctx, profile_path="none", progress=False)
     rng = np.random.default_rng(1)
     v = eng.args.n_vocab
     prompt = rng.integers(v, size=position).tolist()
@@ -519,13 +519,14 @@ def ctx_check(model: Path, budget) -> dict:
     return out
 
 
-def position_check(model: Path, budget, positions: list[int]) -> dict:
+def position_check(model: Path, budget, positions: list[int], device: str = "cuda", n: int = 64) -> dict:
     """A decode step's cost after prompts of each length in ``positions``
-    (each with just the positions it needs allocated): how a step grows with
-    the sequence (attention over the used length; everything else flat)."""
+    (each with just the positions it needs allocated), over ``n`` decoded
+    tokens: how a step grows with the sequence (attention over the used
+    length; everything else flat)."""
     out = {}
     for p in positions:
-        out[p] = step_time_at(model, p + 128, p, budget)
+        out[p] = step_time_at(model, p + 2 * n, p, budget, n, device)
         print(f"position {p}: {out[p] * 1e3:.2f} ms per decode step ({out[p] / out[positions[0]]:.2f}x position "
               f"{positions[0]})", flush=True)
     return out
@@ -731,7 +732,8 @@ def main(argv=None) -> int:
                             f"ratio hybrid / upstream {lm['hybrid_ratio']:.2f}")
                 print(msg, flush=True)
         if args.positions and routing == args.routing.split(",")[-1]:
-            results["positions"] = position_check(path, budget, [int(v) for v in args.positions.split(",")])
+            results["positions"] = position_check(path, budget, [int(v) for v in args.positions.split(",")],
+                                                  args.device, 64 if args.device == "cuda" else 4)
         if args.no_decode:
             results["runs"].append(row)
             continue

@@ -39,6 +39,17 @@ def test_cpu_smoke_decode_and_verify(bench, tmp_path, capsys):
     assert "MODELLED" in text and "measured acceptance: none here" in text
 
 
+def test_cpu_smoke_positions(bench, tmp_path, capsys):
+    """--positions: the decode step after prompts of each length (decode and prefill left out)."""
+    out = tmp_path / "res.json"
+    rc = bench.main(["--shape", "tiny", "--skip-upstream", "--device", "cpu", "--routing", "uniform", "--no-decode",
+                     "--positions", "8,40", "--work", str(tmp_path), "--json", str(out)])
+    assert rc == 0
+    pos = json.loads(out.read_text())["positions"]
+    assert set(pos) == {"8", "40"} and all(v > 0 for v in pos.values())
+    assert "position 40:" in capsys.readouterr().out
+
+
 def test_cpu_needs_skip_upstream(bench, tmp_path):
     with pytest.raises(SystemExit, match="--skip-upstream"):
         bench.main(["--shape", "tiny", "--device", "cpu", "--work", str(tmp_path)])
