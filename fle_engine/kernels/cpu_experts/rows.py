@@ -41,7 +41,7 @@ from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
 from . import rowcode, simd
-from .simd512 import AVX512, BLOCK_BYTES, LAYOUTS, PERM, group_sums, stack_f32x16
+from .simd512 import AVX512, LAYOUTS, PERM, group_sums, stack_f32x16
 
 __all__ = ["ISA", "SIG", "rows_address", "layout", "call_rows", "arrange"]
 
@@ -157,7 +157,7 @@ def _group(nb, bi):
 
 
 def _avx512(name: str):
-    size = BLOCK_BYTES[name]
+    size = int(rowcode.BLOCK_BYTES[_CODE512[name]])
 
     def rows(w, stride, r0, r1, nb, xq, xd, xs, nxr, nx, ndx, nxs, arow, orow, nt, out, nout):
         W, XQ, XD, XS = _u8(w, r1 * stride), _i8x2(xq, nxr, nx), _f32x2(xd, nxr, ndx), _i32x2(xs, nxr, nxs)
@@ -184,6 +184,7 @@ def _avx512(name: str):
 
 # the types with AVX-512 kernels: their type codes and .simd512's names
 AVX512_KERNELS = {_IQ3_XXS: "iq3_xxs", _IQ3_S: "iq3_s", _IQ2_XS: "iq2_xs", _IQ4_XS: "iq4_xs", _Q4_K: "q4_k"}
+_CODE512 = {name: code for code, name in AVX512_KERNELS.items()}
 
 
 # ---------------------------------------------------------------------------

@@ -65,7 +65,7 @@ from fle_quant.quants.tables import IQ2XS_GRID, IQ3S_GRID, IQ3XXS_GRID, KVALUES_
 
 from .simd import AVX2, _base, _escape, _fn, _host_feature, _ld, _scales_mins_k4
 
-__all__ = ["AVX512", "ISA", "LAYOUTS", "PERM", "GROUPS", "BLOCK_BYTES", "group_sums", "GF_KSIGNS",
+__all__ = ["AVX512", "ISA", "LAYOUTS", "PERM", "GROUPS", "group_sums", "GF_KSIGNS",
            "stack_f32x16"]
 
 AVX512 = all(_host_feature(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx512vbmi", "gfni",
@@ -499,7 +499,6 @@ def group_sums(typingctx, name, n, w, o, x, xo, xs, xso, xd, xdo, out):
 _KERNELS = {"iq3_xxs": (_acc_iq3_xxs, _consts_iq3_xxs, 98, 0.25), "iq3_s": (_acc_iq3_s, _consts_iq3_s, 110, 1.0),
             "iq2_xs": (_acc_iq2_xs, _consts_iq2_xs, 74, 0.125), "iq4_xs": (_acc_iq4_xs, _consts_iq4_xs, 136, 1.0),
             "q4_k": (_acc_q4_k, lambda b: None, 144, 1.0)}
-BLOCK_BYTES = {name: k[2] for name, k in _KERNELS.items()}
 
 
 @intrinsic
