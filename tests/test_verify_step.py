@@ -732,18 +732,25 @@ def test_q4_verify_graphs_captured_and_equal_to_eager(q4_file):
         e.close()
 
 
-def test_bench_script_smoke(model_file, tmp_path):
-    """bench/verify_step.py on the factory model with the reference side
-    (the times mean nothing here): one row per n = 0..3, the modelled rate
-    from E(n) = 1 + a1 + a1 a2 + ..."""
+@pytest.fixture(scope="module")
+def bench():
+    """bench/verify_step.py as a module."""
     import importlib.util
-    import json
     from pathlib import Path
 
     path = Path(__file__).parents[1] / "bench" / "verify_step.py"
     spec = importlib.util.spec_from_file_location("bench_verify", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_script_smoke(bench, model_file, tmp_path):
+    """bench/verify_step.py on the factory model with the reference side
+    (the times mean nothing here): one row per n = 0..3, the modelled rate
+    from E(n) = 1 + a1 + a1 a2 + ..."""
+    import json
+
     assert bench.expected_tokens((0.86, 0.78, 0.78), 2) == pytest.approx(1 + 0.86 + 0.86 * 0.78)
     out = tmp_path / "r.json"
     assert bench.main(["--model", str(model_file), "--device", "cpu", "--warmup", "4", "--reps", "1",
@@ -755,19 +762,13 @@ def test_bench_script_smoke(model_file, tmp_path):
         assert r["modelled_tok_s"] == pytest.approx(r["expected_tokens"] / (r["seconds"] + r["drafts"] * 1e-3))
 
 
-def test_bench_all_experts_cached(model_file, tmp_path):
+def test_bench_all_experts_cached(bench, model_file, tmp_path):
     """bench/verify_step.py --cache-budget all (every routed expert in a slot,
     the step's growth with T without misses) on the factory model, on the
     CPU (the times mean nothing): the budget holds the file's experts, every
     step hits and reads nothing over PCIe; 'third' holds a third of them."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).parents[1] / "bench" / "verify_step.py"
-    spec = importlib.util.spec_from_file_location("bench_verify_all", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     n_layer, exp_bytes = bench.expert_bytes(model_file)
     assert bench.budget_of(model_file, "all") >= exp_bytes
     assert bench.budget_of(model_file, "third") == exp_bytes * (n_layer // 3) // n_layer
@@ -780,18 +781,12 @@ def test_bench_all_experts_cached(model_file, tmp_path):
         assert r["hit_rate"] == 1.0 and r["pcie_bytes"] == 0 and r["pcie_bytes_sum"] == 0, r
 
 
-def test_bench_with_prefetch(model_file, tmp_path):
+def test_bench_with_prefetch(bench, model_file, tmp_path):
     """bench/verify_step.py --miss-prefetch 2 on the factory model, on the
     CPU (the times mean nothing): every step size copies experts ahead, and
     the share of them its layers used is reported."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).parents[1] / "bench" / "verify_step.py"
-    spec = importlib.util.spec_from_file_location("bench_verify_prefetch", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     n_layer, exp_bytes = bench.expert_bytes(model_file)
     out = tmp_path / "r.json"
     budget = str(6 * exp_bytes // (8 * n_layer) * n_layer)          # 6 of the factory's 8 experts a layer
